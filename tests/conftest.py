@@ -1,0 +1,113 @@
+"""Shared fixtures: a tiny Llama built from a config with a small BPE tokenizer, saved once per session."""
+
+import os
+
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+
+from trl_topr import TOPRConfig  # noqa: E402
+
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CORPUS = [
+    "What is 2 + 3? The answer is 5.",
+    "What is 7 * 8? The answer is 56.",
+    "Tell me a story about a cat and a dog.",
+    "The quick brown fox jumps over the lazy dog.",
+    "user assistant system hello world yes no maybe correct wrong",
+    "0 1 2 3 4 5 6 7 8 9 10 11 12 + - * / = ? .",
+] * 20
+
+
+def build_tiny_model(folder: str, seed: int = 0) -> str:
+    """Save a 2-layer Llama and a ~200-token BPE tokenizer (ChatML template) to `folder`; return the folder."""
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    specials = ["<unk>", "<pad>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=200, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", pad_token="<pad>", eos_token="<|im_end|>"
+    )
+    tokenizer.chat_template = CHATML
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory) -> str:
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny-llama")))
+
+
+def make_args(output_dir, **kwargs) -> TOPRConfig:
+    """A fast CPU configuration for tests; keyword arguments override it."""
+    defaults = dict(
+        output_dir=str(output_dir),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        gradient_checkpointing=False,
+        learning_rate=1e-3,
+        seed=0,
+        dataloader_num_workers=0,
+    )
+    defaults.update(kwargs)
+    return TOPRConfig(**defaults)
+
+
+def standard_dataset(n: int = 8, **extra) -> Dataset:
+    """`n` rows of arithmetic prompts with right (+1) and wrong (-1) completions."""
+    rows = {
+        "prompt": [f"What is {i} + 3?" for i in range(n)],
+        "completion": [f" The answer is {i + 3 if i % 2 == 0 else i + 4}." for i in range(n)],
+        "reward": [1.0 if i % 2 == 0 else -1.0 for i in range(n)],
+    }
+    rows.update(extra)
+    return Dataset.from_dict(rows)
+
+
+def conversational_dataset(n: int = 8) -> Dataset:
+    return Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": f"What is {i} + 3?"}] for i in range(n)],
+            "completion": [
+                [{"role": "assistant", "content": f"The answer is {i + 3 if i % 2 == 0 else i + 4}."}]
+                for i in range(n)
+            ],
+            "reward": [1.0 if i % 2 == 0 else -1.0 for i in range(n)],
+        }
+    )

@@ -1,0 +1,21 @@
+"""trl-topr: Tapered Off-Policy REINFORCE (arXiv:2503.14286) for Hugging Face TRL."""
+
+__version__ = "0.1.0"
+
+from .composition import baseline_for_positive_fraction, effective_positive_fraction
+from .config import TOPRConfig
+from .data import DataCollatorForTOPR, TOPRDataError
+from .loss import topr_loss, topr_weights
+from .trainer import TOPRTrainer
+
+
+__all__ = [
+    "DataCollatorForTOPR",
+    "TOPRConfig",
+    "TOPRDataError",
+    "TOPRTrainer",
+    "baseline_for_positive_fraction",
+    "effective_positive_fraction",
+    "topr_loss",
+    "topr_weights",
+]

@@ -1,0 +1,195 @@
+import math
+from dataclasses import dataclass, field
+
+from trl import SFTConfig
+
+from .loss import LOSS_NORMALIZATIONS, LOSS_TYPES, RATIO_LEVELS, resolve_ratio_bounds
+
+
+@dataclass
+class TOPRConfig(SFTConfig):
+    r"""
+    Configuration class for the [`TOPRTrainer`].
+
+    Extends TRL's [`~trl.SFTConfig`], whose data preprocessing (tokenization of prompt/completion pairs, chat
+    templates, `max_length` truncation) and model options (`model_init_kwargs`, PEFT, quantization) are used as they
+    are. Only the parameters specific to TOPR training are listed here; for the others see
+    [`~trl.SFTConfig`] and [`~transformers.TrainingArguments`].
+
+    Parameters:
+        > Parameters that control the TOPR objective
+
+        loss_type (`str`, *optional*, defaults to `"topr"`):
+            Weighting of positive (`R - c >= 0`) and negative (`R - c < 0`) completions, all computed by the same
+            code ([`topr_loss`]). This field replaces [`~trl.SFTConfig`]'s own `loss_type` (nll/dft), which does
+            not apply to TOPR. Possible values:
+
+            - `"topr"`: weight 1 for positives, clip(pi/mu, 0, 1) for negatives (the paper's method).
+            - `"reinforce"`: weight 1 for both (naive off-policy REINFORCE).
+            - `"is"`: untruncated importance ratio pi/mu for both.
+            - `"tis"`: truncated ratio clip(pi/mu, 0, 1) for both.
+            - `"positives_only"`: SFT on the positives, negatives dropped.
+            - `"ppo_clip"`: PPO's clipped surrogate with trust region `[1 - epsilon, 1 + epsilon]`.
+        positive_ratio_bounds (`list[float]`, *optional*):
+            Custom window `[a+, b+]` of the importance ratio for positives: their weight is clip(pi/mu, a+, b+).
+            Defaults to the `loss_type` preset (`[1, 1]` for `"topr"`).
+        negative_ratio_bounds (`list[float]`, *optional*):
+            Custom window `[a-, b-]` for negatives. Defaults to the `loss_type` preset (`[0, 1]` for `"topr"`).
+        epsilon (`float`, *optional*, defaults to `0.2`):
+            Trust region of `loss_type="ppo_clip"`.
+        ratio_level (`str`, *optional*, defaults to `"sequence"`):
+            Level of the importance ratio: `"sequence"` (exp of the summed log-ratio over the completion, the paper),
+            `"token"` (one ratio per token; needs per-token behavior log-probs) or `"sequence_mean"` (exp of the
+            length-normalized log-ratio).
+        loss_normalization (`str`, *optional*, defaults to `"sequence_length"`):
+            `"sequence_length"` (each sequence's weighted log-likelihood divided by its length, averaged over the
+            batch, the paper), `"token_mean"` (divided by the batch's number of completion tokens) or `"sum"` (summed
+            over each sequence's tokens, averaged over the batch).
+        baseline (`float`, *optional*):
+            Baseline `c` subtracted from the rewards. Defaults to `0.0`. Mutually exclusive with
+            `target_positive_fraction`.
+        target_positive_fraction (`float`, *optional*):
+            Target effective positive fraction p_eff in (0, 1): the baseline is derived from the training set's
+            rewards so that the positives carry this share of the total weight. The paper found 0.1-0.2 best.
+            Mutually exclusive with `baseline`.
+
+        > Parameters that control the data
+
+        prompt_column (`str`, *optional*, defaults to `"prompt"`):
+            Column of the prompts (text, or a list of messages for conversational data).
+        completion_column (`str`, *optional*, defaults to `"completion"`):
+            Column of the completions, in the same format as the prompts.
+        reward_column (`str`, *optional*, defaults to `"reward"`):
+            Column of the scalar rewards.
+        label_column (`str`, *optional*, defaults to `"label"`):
+            Boolean column read as reward +1 (`True`) / -1 (`False`) when `reward_column` is absent, as in
+            KTO-style unpaired preference datasets.
+        behavior_logps_column (`str`, *optional*, defaults to `"behavior_logps"`):
+            Column of the behavior policy's log-probabilities: one float per row (summed over the completion tokens)
+            or a list with one float per completion token. When the column is absent, they are computed once before
+            training with the initial policy.
+        precompute_behavior_batch_size (`int`, *optional*):
+            Batch size of the behavior log-prob precompute. Defaults to `per_device_eval_batch_size`.
+
+    > [!NOTE]
+    > These parameters have default values different from [`~trl.SFTConfig`]:
+    > - `learning_rate`: Defaults to `1e-6` instead of `2e-5`, as TRL's other policy-gradient trainers (the paper
+    >   used 5e-7 for Llama 3 8B with Adafactor).
+    > - `loss_type`: Defaults to `"topr"`, see above.
+    """
+
+    learning_rate: float = field(
+        default=1e-6,
+        metadata={"help": "The initial learning rate for AdamW."},
+    )
+
+    # Parameters that control the TOPR objective
+    loss_type: str = field(
+        default="topr",
+        metadata={
+            "help": "Weighting of positives / negatives: 'topr' (1 / clip(pi/mu, 0, 1)), 'reinforce' (1 / 1), 'is' "
+            "(pi/mu / pi/mu), 'tis' (clip(pi/mu, 0, 1) for both), 'positives_only' (1 / 0) or 'ppo_clip' (PPO's "
+            "clipped surrogate). Replaces SFTConfig's nll/dft `loss_type`.",
+            "choices": list(LOSS_TYPES),
+        },
+    )
+    positive_ratio_bounds: list[float] | None = field(
+        default=None,
+        metadata={
+            "help": "Custom window [a+, b+] of the importance ratio for positives. Defaults to the `loss_type` "
+            "preset ([1, 1] for 'topr').",
+            "nargs": 2,
+        },
+    )
+    negative_ratio_bounds: list[float] | None = field(
+        default=None,
+        metadata={
+            "help": "Custom window [a-, b-] of the importance ratio for negatives. Defaults to the `loss_type` "
+            "preset ([0, 1] for 'topr').",
+            "nargs": 2,
+        },
+    )
+    epsilon: float = field(
+        default=0.2,
+        metadata={"help": "Trust region of `loss_type='ppo_clip'`."},
+    )
+    ratio_level: str = field(
+        default="sequence",
+        metadata={
+            "help": "Level of the importance ratio: 'sequence' (the paper), 'token' or 'sequence_mean' "
+            "(length-normalized log-ratio).",
+            "choices": list(RATIO_LEVELS),
+        },
+    )
+    loss_normalization: str = field(
+        default="sequence_length",
+        metadata={
+            "help": "'sequence_length' (divide each sequence by its length, the paper), 'token_mean' or 'sum'.",
+            "choices": list(LOSS_NORMALIZATIONS),
+        },
+    )
+    baseline: float | None = field(
+        default=None,
+        metadata={"help": "Baseline c subtracted from the rewards. Defaults to 0.0. Exclusive with "
+                  "`target_positive_fraction`."},
+    )
+    target_positive_fraction: float | None = field(
+        default=None,
+        metadata={
+            "help": "Target effective positive fraction in (0, 1); the baseline is derived from the training set. "
+            "Exclusive with `baseline`."
+        },
+    )
+
+    # Parameters that control the data
+    prompt_column: str = field(default="prompt", metadata={"help": "Column of the prompts."})
+    completion_column: str = field(default="completion", metadata={"help": "Column of the completions."})
+    reward_column: str = field(default="reward", metadata={"help": "Column of the scalar rewards."})
+    label_column: str = field(
+        default="label",
+        metadata={"help": "Boolean column read as reward +1/-1 when `reward_column` is absent."},
+    )
+    behavior_logps_column: str = field(
+        default="behavior_logps",
+        metadata={
+            "help": "Column of the behavior log-probs (a float per row, or a list with a float per completion token). "
+            "Computed with the initial policy when absent."
+        },
+    )
+    precompute_behavior_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Batch size of the behavior log-prob precompute. Defaults to `per_device_eval_batch_size`."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"Unknown `loss_type` {self.loss_type!r}: expected one of {LOSS_TYPES}.")
+        if self.ratio_level not in RATIO_LEVELS:
+            raise ValueError(f"Unknown `ratio_level` {self.ratio_level!r}: expected one of {RATIO_LEVELS}.")
+        if self.loss_normalization not in LOSS_NORMALIZATIONS:
+            raise ValueError(
+                f"Unknown `loss_normalization` {self.loss_normalization!r}: expected one of {LOSS_NORMALIZATIONS}."
+            )
+        for name in ("positive_ratio_bounds", "negative_ratio_bounds"):
+            bounds = getattr(self, name)
+            if bounds is not None and len(bounds) != 2:
+                raise ValueError(f"`{name}` must be two numbers [low, high], got {bounds}.")
+        resolve_ratio_bounds(self.loss_type, self.positive_ratio_bounds, self.negative_ratio_bounds)
+        if not 0.0 < self.epsilon < 1.0:
+            raise ValueError(f"`epsilon` must be in (0, 1), got {self.epsilon}.")
+        if self.baseline is not None and self.target_positive_fraction is not None:
+            raise ValueError(
+                "Set either `baseline` or `target_positive_fraction`, not both: the target derives the baseline."
+            )
+        if self.baseline is not None and not math.isfinite(self.baseline):
+            raise ValueError(f"`baseline` must be a finite number, got {self.baseline}.")
+        if self.target_positive_fraction is not None and not 0.0 < self.target_positive_fraction < 1.0:
+            raise ValueError(
+                f"`target_positive_fraction` must be in (0, 1), got {self.target_positive_fraction}."
+            )
+        # TOPR's loss is a sum over each completion: sequences must stay separate and the prompt must stay masked.
+        if self.packing or self.padding_free:
+            raise ValueError("`packing` and `padding_free` are not supported by TOPR, whose loss is per sequence.")
+        if self.completion_only_loss is False:
+            raise ValueError("`completion_only_loss=False` is not supported: TOPR weighs completion tokens only.")

@@ -1,0 +1,272 @@
+"""The TOPR data contract: the one place where datasets are checked, and the collator that batches them.
+
+A TOPR dataset has one row per completion, with columns (names configurable in [`TOPRConfig`]):
+
+- `prompt`, `completion`: text, or lists of messages (conversational), as TRL's prompt-completion datasets;
+- `reward`: a finite number, or instead a boolean `label` (+1 / -1);
+- `behavior_logps` (optional): log mu of the completion, one float (summed over the completion tokens) or a list with
+  one float per completion token.
+
+Errors name the column and the first offending row, and are raised before any model is loaded or trained.
+"""
+
+import math
+from dataclasses import dataclass
+from numbers import Real
+from typing import Any
+
+import torch
+from datasets import Dataset, IterableDataset
+from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+
+# Canonical column names inside the trainer. User columns are renamed to these before tokenization.
+PROMPT, COMPLETION, REWARD, BEHAVIOR_LOGPS = "prompt", "completion", "reward", "behavior_logps"
+
+
+class TOPRDataError(ValueError):
+    """A dataset breaks the TOPR data contract. The message names the column and the first offending row."""
+
+
+def _fail(dataset_name: str, column: str, row: int, problem: str) -> TOPRDataError:
+    return TOPRDataError(f"{dataset_name} dataset, column '{column}', row {row}: {problem}")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def _check_text(value: Any, conversational: bool, dataset_name: str, column: str, row: int, allow_empty: bool):
+    if conversational:
+        if not isinstance(value, list) or not all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in value
+        ):
+            raise _fail(dataset_name, column, row, "expected a list of messages with 'role' and 'content', like row 0.")
+        if not allow_empty and not any(m["content"] for m in value):
+            raise _fail(dataset_name, column, row, "empty completion: there is nothing to train on.")
+    else:
+        if not isinstance(value, str):
+            raise _fail(dataset_name, column, row, f"expected a string, like row 0, got {type(value).__name__}.")
+        if not allow_empty and not value:
+            raise _fail(dataset_name, column, row, "empty completion: there is nothing to train on.")
+
+
+def validate_and_standardize(dataset: Dataset, args, dataset_name: str = "train") -> Dataset:
+    """
+    Check a raw TOPR dataset and rename its columns to the canonical `prompt`, `completion`, `reward` and
+    `behavior_logps` (a `label` column becomes `reward` +1 / -1).
+
+    Args:
+        dataset ([`~datasets.Dataset`]):
+            Raw dataset, see the module docstring for its columns.
+        args ([`TOPRConfig`]):
+            Configuration holding the column names.
+        dataset_name (`str`, *optional*, defaults to `"train"`):
+            Name used in error messages.
+
+    Returns:
+        [`~datasets.Dataset`]: the dataset with canonical column names and float rewards.
+
+    Raises:
+        [`TOPRDataError`]: naming the column and the first offending row.
+    """
+    if isinstance(dataset, IterableDataset):
+        raise TOPRDataError(
+            f"The {dataset_name} dataset is an `IterableDataset`: TOPR needs a map-style `datasets.Dataset`, since "
+            "the data is validated, the baseline derived and the behavior log-probs computed over the whole set "
+            "before training. Materialize it first, e.g. `Dataset.from_list(list(iterable_dataset))`."
+        )
+    if not isinstance(dataset, Dataset):
+        raise TypeError(f"The {dataset_name} dataset must be a `datasets.Dataset`, got {type(dataset).__name__}.")
+    if len(dataset) == 0:
+        raise TOPRDataError(f"The {dataset_name} dataset has no rows.")
+    columns = dataset.column_names
+    for column in (args.prompt_column, args.completion_column):
+        if column not in columns:
+            raise TOPRDataError(f"{dataset_name} dataset: missing column '{column}' (found {columns}).")
+    has_reward = args.reward_column in columns
+    if not has_reward and args.label_column not in columns:
+        raise TOPRDataError(
+            f"{dataset_name} dataset: missing column '{args.reward_column}' (or a boolean '{args.label_column}' "
+            f"column) (found {columns})."
+        )
+
+    # Prompts and completions: one format (standard or conversational) for the whole dataset, non-empty completions.
+    prompts, completions = dataset[args.prompt_column], dataset[args.completion_column]
+    conversational = isinstance(prompts[0], list)
+    for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+        _check_text(prompt, conversational, dataset_name, args.prompt_column, row, allow_empty=True)
+        _check_text(completion, conversational, dataset_name, args.completion_column, row, allow_empty=False)
+
+    # Rewards: finite numbers, or booleans in the label column.
+    if has_reward:
+        rewards = dataset[args.reward_column]
+        for row, reward in enumerate(rewards):
+            if not _is_number(reward):
+                hint = f" For boolean outcomes use a '{args.label_column}' column." if isinstance(reward, bool) else ""
+                raise _fail(dataset_name, args.reward_column, row, f"expected a number, got {reward!r}.{hint}")
+            if not math.isfinite(reward):
+                raise _fail(dataset_name, args.reward_column, row, f"reward must be finite, got {reward}.")
+        rewards = [float(r) for r in rewards]
+    else:
+        labels = dataset[args.label_column]
+        for row, label in enumerate(labels):
+            if not isinstance(label, bool):
+                raise _fail(dataset_name, args.label_column, row, f"expected a boolean, got {label!r}.")
+        rewards = [1.0 if label else -1.0 for label in labels]
+
+    # Behavior log-probs: one column format, finite and <= 0.
+    if args.behavior_logps_column in columns:
+        values = dataset[args.behavior_logps_column]
+        per_token = isinstance(values[0], list)
+        for row, value in enumerate(values):
+            items = value if per_token and isinstance(value, list) else [value]
+            if (per_token and not isinstance(value, list)) or not all(_is_number(v) for v in items):
+                raise _fail(
+                    dataset_name,
+                    args.behavior_logps_column,
+                    row,
+                    f"expected {'a list of floats' if per_token else 'a float'}, like row 0, got {value!r}.",
+                )
+            for v in items:
+                if not math.isfinite(v) or v > 0:
+                    raise _fail(
+                        dataset_name,
+                        args.behavior_logps_column,
+                        row,
+                        f"log-probabilities must be finite and <= 0, got {v}.",
+                    )
+
+    # Rename to the canonical names TRL's tokenization and the collator read.
+    renames = {
+        args.prompt_column: PROMPT,
+        args.completion_column: COMPLETION,
+        args.behavior_logps_column: BEHAVIOR_LOGPS,
+        args.reward_column: REWARD,
+    }
+    renames = {column: target for column, target in renames.items() if column != target and column in columns}
+    clashes = [target for target in renames.values() if target in columns]
+    if clashes:
+        raise TOPRDataError(
+            f"{dataset_name} dataset: column(s) {clashes} exist but the config reads other columns for them "
+            f"({renames}). Remove or rename them."
+        )
+    dataset = dataset.rename_columns(renames)
+    if REWARD in dataset.column_names:
+        dataset = dataset.remove_columns(REWARD)  # replaced by the checked float rewards
+    return dataset.add_column(REWARD, rewards)
+
+
+def check_and_truncate_tokens(dataset: Dataset, max_length: int | None, dataset_name: str = "train") -> Dataset:
+    """
+    Check a tokenized TOPR dataset (as produced by TRL's SFT tokenization, with `labels` at -100 on the prompt) and
+    truncate it to `max_length`, keeping the start.
+
+    The completion tokens are those whose label is not -100: the tokens of the completion text plus the end-of-sequence
+    token appended to standard (non-conversational) completions, or, for conversational data, everything the chat
+    template renders after the prompt's generation prompt (e.g. the end-of-turn token). Per-token `behavior_logps`
+    must have one value per completion token, in order, and are truncated with the completion.
+
+    Args:
+        dataset ([`~datasets.Dataset`]):
+            Tokenized dataset with `input_ids`, `labels` and optionally `behavior_logps`.
+        max_length (`int`, *optional*):
+            Maximum sequence length. `None` keeps every token.
+        dataset_name (`str`, *optional*, defaults to `"train"`):
+            Name used in error messages.
+
+    Returns:
+        [`~datasets.Dataset`]: the truncated dataset.
+
+    Raises:
+        [`TOPRDataError`]: naming the column and the first offending row.
+    """
+    behavior = dataset[BEHAVIOR_LOGPS] if BEHAVIOR_LOGPS in dataset.column_names else None
+    per_token = behavior is not None and isinstance(behavior[0], list)
+    needs_truncation = False
+    for row, labels in enumerate(dataset["labels"]):
+        num_completion = sum(label != -100 for label in labels)
+        if num_completion == 0:
+            raise _fail(dataset_name, COMPLETION, row, "the completion has no token after tokenization.")
+        if per_token and len(behavior[row]) != num_completion:
+            raise _fail(
+                dataset_name,
+                BEHAVIOR_LOGPS,
+                row,
+                f"{len(behavior[row])} per-token values for {num_completion} completion tokens. The completion tokens "
+                "are those TRL's tokenization trains on: for text, the completion plus the EOS token; for messages, "
+                "everything the chat template renders after the generation prompt.",
+            )
+        if max_length is None or len(labels) <= max_length:
+            continue
+        needs_truncation = True
+        kept = sum(label != -100 for label in labels[:max_length])
+        if kept == 0:
+            raise _fail(
+                dataset_name,
+                PROMPT,
+                row,
+                f"the prompt fills `max_length` ({max_length}): no completion token is left to train on. Raise "
+                "`max_length` or shorten the prompt.",
+            )
+        if behavior is not None and not per_token and kept < num_completion:
+            raise _fail(
+                dataset_name,
+                BEHAVIOR_LOGPS,
+                row,
+                f"`max_length` ({max_length}) cuts the completion to {kept} of its {num_completion} tokens, but the "
+                "behavior log-prob is a sum over the whole completion, so the ratio pi/mu would be wrong. Raise "
+                "`max_length`, or give per-token behavior log-probs (which are truncated with the completion).",
+            )
+    if not needs_truncation:
+        return dataset
+
+    def truncate(example):
+        output = {"input_ids": example["input_ids"][:max_length], "labels": example["labels"][:max_length]}
+        if per_token:
+            output[BEHAVIOR_LOGPS] = example[BEHAVIOR_LOGPS][: sum(label != -100 for label in output["labels"])]
+        return output
+
+    return dataset.map(truncate, desc=f"Truncating {dataset_name} dataset")
+
+
+@dataclass
+class DataCollatorForTOPR(DataCollatorForLanguageModeling):
+    """
+    Data collator for TOPR: TRL's [`~trl.trainer.sft_trainer.DataCollatorForLanguageModeling`] (right padding,
+    `labels` at -100 outside the completion) plus the rewards and behavior log-probs.
+
+    Each example needs `input_ids`, `labels`, `reward` and `behavior_logps` (a float, or one float per completion
+    token). The batch adds:
+
+    - `"rewards"`: tensor of shape `(B,)`;
+    - `"behavior_logps"`: tensor of shape `(B,)` for per-sequence values, or `(B, T)` for per-token values, placed
+      at the positions of their tokens in `input_ids` (0 elsewhere).
+
+    Example:
+    ```python
+    >>> from trl_topr.data import DataCollatorForTOPR
+
+    >>> collator = DataCollatorForTOPR(pad_token_id=0)
+    >>> examples = [
+    ...     {"input_ids": [1, 2, 3], "labels": [-100, 2, 3], "reward": 1.0, "behavior_logps": [-0.5, -0.25]},
+    ...     {"input_ids": [4, 5], "labels": [-100, 5], "reward": -1.0, "behavior_logps": [-2.0]},
+    ... ]
+    >>> collator(examples)["behavior_logps"]
+    tensor([[ 0.0000, -0.5000, -0.2500],
+            [ 0.0000, -2.0000,  0.0000]])
+    ```
+    """
+
+    def torch_call(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = super().torch_call(examples)
+        batch["rewards"] = torch.tensor([float(example[REWARD]) for example in examples])
+        behavior = [example[BEHAVIOR_LOGPS] for example in examples]
+        if isinstance(behavior[0], list):
+            # Completion positions are in row-major order, as are the concatenated per-token values.
+            aligned = torch.zeros(batch["labels"].shape, dtype=torch.float32)
+            aligned[batch["labels"] != -100] = torch.tensor([v for values in behavior for v in values])
+            batch["behavior_logps"] = aligned
+        else:
+            batch["behavior_logps"] = torch.tensor(behavior, dtype=torch.float32)
+        return batch

@@ -1,0 +1,278 @@
+"""The TOPR objective as pure tensor functions (no Trainer needed).
+
+Tapered Off-Policy REINFORCE (Le Roux et al., 2025, arXiv:2503.14286). For a completion y of a prompt x, sampled by a
+behavior policy mu, with reward R and baseline c, the per-sequence loss is
+
+    alpha = 1                               if R - c >= 0   (positives: SFT-like, no ratio)
+    alpha = clip(pi(y|x) / mu(y|x), 0, 1)   if R - c <  0   (negatives: tapered ratio)
+    loss  = - sg(alpha) * (R - c) * log pi(y|x) / |y|
+
+where `sg` stops the gradient. The ratio is computed in log space and its log is clamped to the window before `exp`,
+so the weight is finite for any gap between pi and mu. The same code computes the paper's comparison family by
+changing the ratio window of each sign (`RATIO_BOUNDS`), and PPO's clipped surrogate by zeroing the weight outside the
+trust region.
+"""
+
+import math
+
+import torch
+
+
+LOSS_TYPES = ("topr", "reinforce", "is", "tis", "positives_only", "ppo_clip")
+RATIO_LEVELS = ("sequence", "token", "sequence_mean")
+LOSS_NORMALIZATIONS = ("sequence_length", "token_mean", "sum")
+
+# Ratio windows (a, b) of each sign: the weight is clip(pi/mu, a, b). A window (1, 1) means weight 1 (no ratio),
+# (0, 0) drops the sign.
+RATIO_BOUNDS = {
+    "topr": ((1.0, 1.0), (0.0, 1.0)),
+    "reinforce": ((1.0, 1.0), (1.0, 1.0)),
+    "is": ((0.0, math.inf), (0.0, math.inf)),
+    "tis": ((0.0, 1.0), (0.0, 1.0)),
+    "positives_only": ((1.0, 1.0), (0.0, 0.0)),
+}
+
+# exp(20) ~ 4.9e8. Only untruncated windows (upper bound inf, e.g. `loss_type="is"`) ever reach this cap: it keeps their
+# weight, and so the loss, finite in float32 whatever the log-ratio.
+MAX_LOG_RATIO = 20.0
+
+
+def resolve_ratio_bounds(
+    loss_type: str = "topr",
+    positive_ratio_bounds: tuple[float, float] | None = None,
+    negative_ratio_bounds: tuple[float, float] | None = None,
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """
+    Ratio windows `(a+, b+)` and `(a-, b-)` for a `loss_type`, with custom windows taking precedence.
+
+    Args:
+        loss_type (`str`, *optional*, defaults to `"topr"`):
+            One of `LOSS_TYPES` except `"ppo_clip"`, whose weight is not a clipped ratio.
+        positive_ratio_bounds (`tuple[float, float]`, *optional*):
+            Window of the ratio for sequences with `R - c >= 0`. Defaults to the preset of `loss_type`.
+        negative_ratio_bounds (`tuple[float, float]`, *optional*):
+            Window of the ratio for sequences with `R - c < 0`. Defaults to the preset of `loss_type`.
+
+    Returns:
+        `tuple[tuple[float, float], tuple[float, float]]`: the positive and negative windows.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"Unknown `loss_type` {loss_type!r}: expected one of {LOSS_TYPES}.")
+    if loss_type == "ppo_clip":
+        if positive_ratio_bounds is not None or negative_ratio_bounds is not None:
+            raise ValueError(
+                "`positive_ratio_bounds` and `negative_ratio_bounds` do not apply to `loss_type='ppo_clip'`, whose "
+                "trust region is set by `epsilon`."
+            )
+        return (0.0, 1.0), (0.0, 1.0)  # unused by ppo_clip
+    preset_positive, preset_negative = RATIO_BOUNDS[loss_type]
+    bounds = (
+        tuple(float(b) for b in (positive_ratio_bounds or preset_positive)),
+        tuple(float(b) for b in (negative_ratio_bounds or preset_negative)),
+    )
+    for name, (low, high) in zip(("positive_ratio_bounds", "negative_ratio_bounds"), bounds, strict=True):
+        if not (0.0 <= low <= high) or math.isnan(high):
+            raise ValueError(f"`{name}` must satisfy 0 <= low <= high, got ({low}, {high}).")
+    return bounds
+
+
+def _clipped_ratio(log_ratio: torch.Tensor, bounds: tuple[float, float]) -> torch.Tensor:
+    # clip(exp(log_ratio), a, b) computed as exp(clamp(log_ratio, log a, log b)): never overflows.
+    low, high = bounds
+    log_low = math.log(low) if low > 0 else -math.inf
+    log_high = min(math.log(high), MAX_LOG_RATIO) if high > 0 else -math.inf
+    return log_ratio.clamp(min=log_low, max=log_high).exp()
+
+
+def topr_weights(
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    loss_type: str = "topr",
+    positive_ratio_bounds: tuple[float, float] | None = None,
+    negative_ratio_bounds: tuple[float, float] | None = None,
+    epsilon: float = 0.2,
+) -> torch.Tensor:
+    """
+    Importance weight `alpha` of each sequence (or token) from its log-ratio `log pi - log mu` and advantage `R - c`.
+
+    Args:
+        log_ratio (`torch.Tensor`):
+            Log of the importance ratio pi/mu, any shape. Should carry no gradient.
+        advantages (`torch.Tensor`):
+            `R - c`, broadcastable to `log_ratio`. Its sign selects the window.
+        loss_type (`str`, *optional*, defaults to `"topr"`):
+            Preset of the windows, see [`topr_loss`].
+        positive_ratio_bounds (`tuple[float, float]`, *optional*):
+            Custom window for `R - c >= 0`.
+        negative_ratio_bounds (`tuple[float, float]`, *optional*):
+            Custom window for `R - c < 0`.
+        epsilon (`float`, *optional*, defaults to `0.2`):
+            Trust region of `loss_type="ppo_clip"`.
+
+    Returns:
+        `torch.Tensor`: the weights, shaped like `log_ratio`, finite and non-negative.
+    """
+    positive = advantages >= 0
+    if loss_type == "ppo_clip":
+        # d/dtheta of min(r A, clip(r, 1-eps, 1+eps) A) is r A grad log pi inside the trust region, 0 outside it.
+        resolve_ratio_bounds(loss_type, positive_ratio_bounds, negative_ratio_bounds)
+        ratio = log_ratio.clamp(max=MAX_LOG_RATIO).exp()
+        active = torch.where(positive, log_ratio <= math.log1p(epsilon), log_ratio >= math.log1p(-epsilon))
+        return ratio * active
+    positive_bounds, negative_bounds = resolve_ratio_bounds(loss_type, positive_ratio_bounds, negative_ratio_bounds)
+    return torch.where(
+        positive, _clipped_ratio(log_ratio, positive_bounds), _clipped_ratio(log_ratio, negative_bounds)
+    )
+
+
+def topr_loss(
+    per_token_logps: torch.Tensor,
+    completion_mask: torch.Tensor,
+    rewards: torch.Tensor,
+    behavior_logps: torch.Tensor,
+    *,
+    loss_type: str = "topr",
+    baseline: float = 0.0,
+    ratio_level: str = "sequence",
+    loss_normalization: str = "sequence_length",
+    positive_ratio_bounds: tuple[float, float] | None = None,
+    negative_ratio_bounds: tuple[float, float] | None = None,
+    epsilon: float = 0.2,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    r"""
+    Tapered Off-Policy REINFORCE loss of a batch of completions.
+
+    `loss = - mean_i [ sg(alpha_i) (R_i - c) log pi(y_i|x_i) / |y_i| ]` with `alpha_i = 1` for `R_i - c >= 0` and
+    `alpha_i = clip(pi(y_i|x_i) / mu(y_i|x_i), 0, 1)` otherwise. Only the weight is detached: on-policy (pi = mu) the
+    loss equals REINFORCE's in value and gradient.
+
+    Args:
+        per_token_logps (`torch.Tensor` of shape `(B, T)`):
+            Log-probabilities `log pi(y_t | x, y_<t)` of the completion tokens under the trained policy, with gradient.
+            Any value on masked positions.
+        completion_mask (`torch.Tensor` of shape `(B, T)`):
+            1 on completion tokens, 0 elsewhere.
+        rewards (`torch.Tensor` of shape `(B,)`):
+            Scalar reward of each completion.
+        behavior_logps (`torch.Tensor` of shape `(B,)` or `(B, T)`):
+            Log-probabilities under the behavior policy mu: one sum over the completion tokens per sequence, or one
+            value per token (aligned with `per_token_logps`). `ratio_level="token"` needs per-token values.
+        loss_type (`str`, *optional*, defaults to `"topr"`):
+            Weighting of positives / negatives:
+            - `"topr"`: 1 / clip(pi/mu, 0, 1), the paper's method.
+            - `"reinforce"`: 1 / 1, naive REINFORCE.
+            - `"is"`: pi/mu / pi/mu, untruncated importance sampling.
+            - `"tis"`: clip(pi/mu, 0, 1) / clip(pi/mu, 0, 1), truncated importance sampling.
+            - `"positives_only"`: 1 / 0, SFT on the positives, negatives dropped.
+            - `"ppo_clip"`: PPO's clipped surrogate with trust region `[1 - epsilon, 1 + epsilon]`.
+        baseline (`float`, *optional*, defaults to `0.0`):
+            Baseline `c` subtracted from the rewards; the sign of `R - c` selects the window.
+        ratio_level (`str`, *optional*, defaults to `"sequence"`):
+            `"sequence"`: ratio of the whole completion, exp(sum_t log pi - log mu) (the paper). `"token"`: one ratio
+            per token. `"sequence_mean"`: exp of the length-normalized log-ratio.
+        loss_normalization (`str`, *optional*, defaults to `"sequence_length"`):
+            `"sequence_length"`: each sequence's weighted log-likelihood divided by its length, then averaged over the
+            batch (the paper). `"token_mean"`: summed over the batch's tokens, divided by their count. `"sum"`: summed
+            over each sequence's tokens, averaged over the batch.
+        positive_ratio_bounds (`tuple[float, float]`, *optional*):
+            Custom window `(a+, b+)` for `R - c >= 0`; defaults to the preset of `loss_type`.
+        negative_ratio_bounds (`tuple[float, float]`, *optional*):
+            Custom window `(a-, b-)` for `R - c < 0`; defaults to the preset of `loss_type`.
+        epsilon (`float`, *optional*, defaults to `0.2`):
+            Trust region of `loss_type="ppo_clip"`.
+
+    Returns:
+        `tuple[torch.Tensor, dict[str, torch.Tensor]]`: the scalar loss and a dict of detached scalar metrics
+        (`nan` where a metric is undefined for the batch, e.g. the negative weight of a batch without negatives).
+
+    Example:
+    ```python
+    >>> import torch
+    >>> from trl_topr import topr_loss
+
+    >>> logps = torch.tensor([[-1.0, -1.0], [-2.0, -2.0]], requires_grad=True)
+    >>> mask = torch.ones(2, 2)
+    >>> loss, metrics = topr_loss(logps, mask, torch.tensor([1.0, -1.0]), torch.tensor([-2.0, -3.0]))
+    >>> round(loss.item(), 4)  # (-(1)(-2)/2 + (exp(-1))(-1)(-4)/2 ... ) / 2
+    -0.3161
+    ```
+    """
+    if ratio_level not in RATIO_LEVELS:
+        raise ValueError(f"Unknown `ratio_level` {ratio_level!r}: expected one of {RATIO_LEVELS}.")
+    if loss_normalization not in LOSS_NORMALIZATIONS:
+        raise ValueError(f"Unknown `loss_normalization` {loss_normalization!r}: expected one of {LOSS_NORMALIZATIONS}.")
+    if ratio_level == "token" and behavior_logps.dim() != 2:
+        raise ValueError("`ratio_level='token'` needs per-token `behavior_logps` of shape (B, T).")
+
+    logps = per_token_logps.float()
+    mask = completion_mask.to(logps.dtype)
+    lengths = mask.sum(-1)
+    advantages = rewards.to(logps.dtype) - baseline  # (B,)
+    sequence_logps = (logps * mask).sum(-1)  # (B,)
+
+    # The log-ratio is computed without gradient: only the weight uses it.
+    with torch.no_grad():
+        if behavior_logps.dim() == 2:
+            token_log_ratio = (logps - behavior_logps.to(logps.dtype)) * mask
+            sequence_log_ratio = token_log_ratio.sum(-1)
+        else:
+            sequence_log_ratio = sequence_logps - behavior_logps.to(logps.dtype)
+        if ratio_level == "token":
+            log_ratio = token_log_ratio
+        elif ratio_level == "sequence_mean":
+            log_ratio = sequence_log_ratio / lengths.clamp(min=1)
+        else:
+            log_ratio = sequence_log_ratio
+        weights = topr_weights(
+            log_ratio,
+            advantages if ratio_level != "token" else advantages[:, None],
+            loss_type=loss_type,
+            positive_ratio_bounds=positive_ratio_bounds,
+            negative_ratio_bounds=negative_ratio_bounds,
+            epsilon=epsilon,
+        )
+
+    # Per-token objective sg(alpha) (R - c) log pi, zero outside the completion.
+    token_weights = weights if ratio_level == "token" else weights[:, None]
+    per_token_objective = token_weights * advantages[:, None] * logps * mask
+    if loss_normalization == "sequence_length":
+        loss = -(per_token_objective.sum(-1) / lengths.clamp(min=1)).mean()
+    elif loss_normalization == "token_mean":
+        loss = -per_token_objective.sum() / mask.sum().clamp(min=1)
+    else:
+        loss = -per_token_objective.sum(-1).mean()
+
+    metrics = _metrics(rewards, advantages, baseline, weights, log_ratio, mask, lengths, ratio_level)
+    return loss, metrics
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    count = mask.sum()
+    return (values * mask).sum() / count if count > 0 else values.new_tensor(math.nan)
+
+
+@torch.no_grad()
+def _metrics(rewards, advantages, baseline, weights, log_ratio, mask, lengths, ratio_level) -> dict[str, torch.Tensor]:
+    positive = (advantages >= 0).to(mask.dtype)
+    negative = 1.0 - positive
+    absolute = advantages.abs().sum()
+    if ratio_level == "token":  # weights and log-ratios are per token: average them over the tokens of each sign
+        valid, positive_items, negative_items = mask, mask * positive[:, None], mask * negative[:, None]
+    else:
+        valid, positive_items, negative_items = torch.ones_like(positive), positive, negative
+    valid_log_ratio = log_ratio[valid > 0]
+    nan = log_ratio.new_tensor(math.nan)
+    return {
+        "reward": rewards.float().mean(),
+        "positive_fraction": positive.mean(),
+        "effective_positive_fraction": (advantages.clamp(min=0).sum() / absolute) if absolute > 0 else nan,
+        "baseline": log_ratio.new_tensor(float(baseline)),
+        "positive_weight_mean": _masked_mean(weights, positive_items),
+        "negative_weight_mean": _masked_mean(weights, negative_items),
+        "negative_tapered_fraction": _masked_mean((weights < 1).to(mask.dtype), negative_items),
+        "log_ratio_mean": valid_log_ratio.mean() if valid_log_ratio.numel() else nan,
+        "log_ratio_min": valid_log_ratio.min() if valid_log_ratio.numel() else nan,
+        "log_ratio_max": valid_log_ratio.max() if valid_log_ratio.numel() else nan,
+        "completion_length": lengths.mean(),
+    }

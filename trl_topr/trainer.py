@@ -1,0 +1,329 @@
+import contextlib
+import copy
+import math
+import os
+import textwrap
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from accelerate.logging import get_logger
+from accelerate.utils import broadcast_object_list
+from datasets import Dataset, concatenate_datasets, is_caching_enabled
+from datasets.fingerprint import Hasher
+from torch.utils.data import DataLoader
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback, TrainingArguments
+from trl import SFTTrainer
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+from trl.trainer.utils import get_config_model_id, hash_module
+
+from .composition import baseline_for_positive_fraction
+from .config import TOPRConfig
+from .data import BEHAVIOR_LOGPS, REWARD, DataCollatorForTOPR, check_and_truncate_tokens, validate_and_standardize
+from .loss import topr_loss
+
+
+logger = get_logger(__name__)
+
+
+@contextlib.contextmanager
+def _sft_loss_type(args: TOPRConfig):
+    # `SFTTrainer.__init__` validates `args.loss_type` against its own nll/dft values, while TOPR's `loss_type` names
+    # the TOPR weighting. SFT's machinery (tokenization, PEFT, fused LM head) is built with its plain NLL setting, which
+    # our `compute_loss` replaces anyway, and TOPR's value is restored right after.
+    loss_type = args.loss_type
+    args.loss_type = "nll"
+    try:
+        yield
+    finally:
+        args.loss_type = loss_type
+
+
+class TOPRTrainer(SFTTrainer):
+    r"""
+    Trainer for Tapered Off-Policy REINFORCE (TOPR), from [Tapered Off-Policy REINFORCE: Stable and efficient
+    reinforcement learning for LLMs](https://huggingface.co/papers/2503.14286).
+
+    Learns from completions with rewards, good and bad, sampled by any behavior policy mu: positives (`R - c >= 0`) get
+    an SFT-like weight of 1, negatives the truncated importance ratio clip(pi/mu, 0, 1) of the whole sequence. No
+    reference model, KL term or critic. Built on [`~trl.SFTTrainer`], whose tokenization, PEFT / quantization handling
+    and fused LM-head log-probabilities it reuses; only the loss and the data contract are TOPR's.
+
+    Example:
+    ```python
+    >>> from datasets import Dataset
+    >>> from trl_topr import TOPRConfig, TOPRTrainer
+
+    >>> dataset = Dataset.from_dict(
+    ...     {
+    ...         "prompt": ["2 + 2 =", "2 + 2 ="],
+    ...         "completion": [" 4", " 5"],
+    ...         "reward": [1.0, -1.0],
+    ...     }
+    ... )
+    >>> trainer = TOPRTrainer(model="HuggingFaceTB/SmolLM2-135M-Instruct", train_dataset=dataset)
+    >>> trainer.train()
+    ```
+
+    Args:
+        model (`str` or [`~transformers.PreTrainedModel`] or [`~peft.PeftModel`]):
+            Model to train: a model id or path (loaded the TRL way with `args.model_init_kwargs` and, if given,
+            `quantization_config`), a causal LM, or a PEFT model.
+        args ([`TOPRConfig`], *optional*):
+            Configuration. If `None`, a default [`TOPRConfig`] is used.
+        train_dataset ([`~datasets.Dataset`]):
+            Dataset with `prompt`, `completion`, `reward` (or a boolean `label`) and optionally `behavior_logps`
+            columns, standard or conversational; see [`TOPRConfig`] for the column names. When `behavior_logps` is
+            absent it is computed once, before training, with the initial policy.
+        eval_dataset ([`~datasets.Dataset`] or `dict[str, Dataset]`, *optional*):
+            Evaluation dataset(s), with the same columns. The evaluation loss is the TOPR loss.
+        processing_class ([`~transformers.PreTrainedTokenizerBase`], *optional*):
+            Tokenizer. If `None`, it is loaded from the model's name.
+        peft_config ([`~peft.PeftConfig`], *optional*):
+            PEFT configuration used to wrap the model (e.g. [`~peft.LoraConfig`]).
+        quantization_config ([`~transformers.BitsAndBytesConfig`], *optional*):
+            Quantization used when loading the model from an id or path; with `peft_config`, QLoRA.
+        callbacks (list of [`~transformers.TrainerCallback`], *optional*):
+            Callbacks added to the default ones.
+        optimizers (`tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None]`, *optional*, defaults to `(None, None)`):
+            Optimizer and scheduler; by default AdamW and the scheduler set by `args`.
+    """
+
+    _tag_names = ["trl", "topr"]
+    _name = "TOPR"
+    _paper = {
+        "title": "Tapered Off-Policy REINFORCE: Stable and efficient reinforcement learning for LLMs",
+        "id": "2503.14286",
+        # docstyle-ignore
+        "citation": textwrap.dedent("""\
+            @article{leroux2025topr,
+                title        = {{Tapered Off-Policy REINFORCE: Stable and efficient reinforcement learning for LLMs}},
+                author       = {Nicolas Le Roux and Marc G. Bellemare and Jonathan Lebensold and Arnaud Bergeron and Joshua Greaves and Alex Fr{\\'e}chette and Carolyne Pelletier and Eric Thibodeau-Laufer and S{\\'a}ndor Toth and Sam Work},
+                year         = 2025,
+                eprint       = {arXiv:2503.14286},
+            }"""),
+    }
+    # `compute_loss` returns a mean over the micro-batch: `Trainer` divides it by the gradient accumulation steps.
+    loss_is_scaled_for_ga = False
+
+    def __init__(
+        self,
+        model: "str | PreTrainedModel",
+        args: TOPRConfig | TrainingArguments | None = None,
+        train_dataset: Dataset | None = None,
+        eval_dataset: Dataset | dict[str, Dataset] | None = None,
+        processing_class: PreTrainedTokenizerBase | None = None,
+        peft_config=None,
+        quantization_config=None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple = (None, None),
+    ):
+        if args is None:
+            model_name = model if isinstance(model, str) else get_config_model_id(model.config)
+            args = TOPRConfig(f"{model_name.split('/')[-1]}-TOPR")
+        elif not isinstance(args, TOPRConfig):
+            dict_args = args.to_dict()
+            dict_args["hub_token"] = args.hub_token  # to_dict hides the hub_token
+            dict_args.pop("loss_type", None)  # an SFTConfig's nll/dft loss type has no TOPR meaning
+            args = TOPRConfig(**dict_args)
+        if train_dataset is None:
+            raise ValueError("`train_dataset` is required.")
+
+        # The data contract is checked before any model is loaded, trained or saved.
+        train_dataset = validate_and_standardize(train_dataset, args, "train")
+        if isinstance(eval_dataset, dict):
+            eval_dataset = {name: validate_and_standardize(ds, args, name) for name, ds in eval_dataset.items()}
+        elif eval_dataset is not None:
+            eval_dataset = validate_and_standardize(eval_dataset, args, "eval")
+        if args.ratio_level == "token" and not self._has_per_token_behavior(train_dataset):
+            raise ValueError(
+                "`ratio_level='token'` needs per-token behavior log-probs: the train dataset gives one float per row. "
+                "Give a list per row, or drop the column to have them computed."
+            )
+
+        # The baseline is derived once, from the whole training set, identically on every process.
+        if args.target_positive_fraction is not None:
+            self.baseline = baseline_for_positive_fraction(train_dataset[REWARD], args.target_positive_fraction)
+        else:
+            self.baseline = args.baseline if args.baseline is not None else 0.0
+
+        with _sft_loss_type(args):
+            super().__init__(
+                model=model,
+                args=args,
+                train_dataset=train_dataset,
+                eval_dataset=eval_dataset,
+                processing_class=processing_class,
+                callbacks=callbacks,
+                optimizers=optimizers,
+                peft_config=peft_config,
+                quantization_config=quantization_config,
+            )
+        self.data_collator = DataCollatorForTOPR(
+            pad_token_id=self._tokenizer.pad_token_id, pad_to_multiple_of=self.args.pad_to_multiple_of
+        )
+        self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+
+        # mu defaults to the initial policy: computed now, before any update and before a checkpoint is loaded.
+        self.train_dataset = self._maybe_precompute_behavior_logps(self.train_dataset, "train")
+        if isinstance(self.eval_dataset, dict):
+            self.eval_dataset = {
+                name: self._maybe_precompute_behavior_logps(ds, name) for name, ds in self.eval_dataset.items()
+            }
+        elif self.eval_dataset is not None:
+            self.eval_dataset = self._maybe_precompute_behavior_logps(self.eval_dataset, "eval")
+
+    @staticmethod
+    def _has_per_token_behavior(dataset: Dataset) -> bool:
+        return BEHAVIOR_LOGPS not in dataset.column_names or isinstance(dataset[0][BEHAVIOR_LOGPS], list)
+
+    def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
+        if "input_ids" in dataset.column_names:  # already prepared
+            return dataset
+        # Tokenize with TRL's SFT preparation, untruncated, so that the checks below see every row at its index.
+        untruncated = copy.copy(args)
+        untruncated.max_length, untruncated.shuffle_dataset = None, False
+        dataset = super()._prepare_dataset(dataset, processing_class, untruncated, False, None, dataset_name)
+        dataset = check_and_truncate_tokens(dataset, args.max_length, dataset_name)
+        return dataset.shuffle(seed=args.seed) if args.shuffle_dataset else dataset
+
+    def _set_signature_columns_if_needed(self):
+        if self._signature_columns is None:
+            self._signature_columns = ["input_ids", "labels", REWARD, BEHAVIOR_LOGPS]
+
+    @torch.no_grad()
+    def _maybe_precompute_behavior_logps(self, dataset: Dataset, name: str) -> Dataset:
+        if BEHAVIOR_LOGPS in dataset.column_names:
+            return dataset
+        if not hasattr(self, "_initial_model_hash"):
+            self._initial_model_hash = hash_module(self.model)
+        # Like TRL's reference log-prob precompute: cached next to the dataset, keyed by the data and the weights.
+        fingerprint = [Hasher.hash((dataset._fingerprint, self._initial_model_hash, "topr_behavior_logps"))]
+        broadcast_object_list(fingerprint, from_process=0)
+        cache_file = None
+        if is_caching_enabled() and dataset.cache_files:
+            cache_file = os.path.join(
+                os.path.dirname(dataset.cache_files[0]["filename"]), f"cache-{fingerprint[0]}.arrow"
+            )
+            if os.path.exists(cache_file):
+                logger.warning(f"Using cached behavior log-probs of the initial policy for the {name} dataset.")
+                return concatenate_datasets([dataset, Dataset.from_file(cache_file)], axis=1)
+
+        logger.warning(
+            f"The {name} dataset has no '{self.args.behavior_logps_column}' column: computing the behavior "
+            "log-probs with the initial policy (mu = the model as passed, before any update). Give them in the "
+            "dataset when the completions were sampled by another model."
+        )
+        batch_size = self.args.precompute_behavior_batch_size or self.args.per_device_eval_batch_size
+        collator = DataCollatorForLanguageModeling(pad_token_id=self._tokenizer.pad_token_id)
+        loader = self.accelerator.prepare(
+            DataLoader(dataset.select_columns(["input_ids", "labels"]), batch_size=batch_size, collate_fn=collator)
+        )
+        was_training = self.model.training
+        self.model.eval()
+        values = []
+        with (
+            disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
+            self.compute_loss_context_manager(),
+        ):
+            for batch in loader:
+                per_token_logps, completion_mask, _ = self._completion_logps(self.model, batch)
+                per_token_logps = self.accelerator.pad_across_processes(per_token_logps, dim=1)
+                completion_mask = self.accelerator.pad_across_processes(completion_mask, dim=1)
+                per_token_logps, completion_mask = self.accelerator.gather_for_metrics(
+                    (per_token_logps.float(), completion_mask)
+                )
+                values.extend(row[mask].tolist() for row, mask in zip(per_token_logps.cpu(), completion_mask.cpu()))
+        self.model.train(was_training)
+
+        if cache_file is None:
+            return dataset.add_column(BEHAVIOR_LOGPS, values)
+        if self.accelerator.is_main_process:
+            Dataset.from_dict({BEHAVIOR_LOGPS: values}).map(cache_file_name=cache_file, new_fingerprint=fingerprint[0])
+        self.accelerator.wait_for_everyone()
+        return concatenate_datasets([dataset, Dataset.from_file(cache_file)], axis=1)
+
+    @staticmethod
+    def _completion_logps(model, inputs):
+        # Per-token log pi of each next token with TRL's fused LM head (no full logits), its mask and the outputs.
+        outputs = model(
+            input_ids=inputs["input_ids"],
+            attention_mask=inputs["attention_mask"],
+            labels=inputs["labels"],
+            use_cache=False,
+            fused_lm_head=True,
+        )
+        length = inputs["input_ids"].size(1) - 1
+        # Prompt-learning PEFT prepends virtual tokens to the outputs: keep the positions of the real tokens.
+        return outputs.log_probs[:, -length:], inputs["labels"][:, 1:] != -100, outputs
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        mode = "train" if self.model.training else "eval"
+        per_token_logps, completion_mask, outputs = self._completion_logps(model, inputs)
+        behavior_logps = inputs["behavior_logps"]
+        if behavior_logps.dim() == 2:  # per-token values sit at their tokens' positions; log-probs are shifted by one
+            behavior_logps = behavior_logps[:, 1:]
+        loss, metrics = topr_loss(
+            per_token_logps,
+            completion_mask,
+            inputs["rewards"],
+            behavior_logps,
+            loss_type=self.args.loss_type,
+            baseline=self.baseline,
+            ratio_level=self.args.ratio_level,
+            loss_normalization=self.args.loss_normalization,
+            positive_ratio_bounds=self.args.positive_ratio_bounds,
+            negative_ratio_bounds=self.args.negative_ratio_bounds,
+            epsilon=self.args.epsilon,
+        )
+        entropy = outputs.entropy[:, -per_token_logps.size(1) :].detach()
+        metrics["entropy"] = (entropy * completion_mask).sum() / completion_mask.sum().clamp(min=1)
+        self._record_metrics(mode, metrics)
+        return (loss, outputs) if return_outputs else loss
+
+    def _record_metrics(self, mode: str, metrics: dict[str, torch.Tensor]) -> None:
+        # One gather for all the metrics; each process contributes its micro-batch's values.
+        names = list(metrics)
+        gathered = self.accelerator.gather_for_metrics(torch.stack([metrics[n].float() for n in names])[None])
+        for name, column in zip(names, gathered.view(-1, len(names)).T.cpu(), strict=True):
+            self._metrics[mode][name].extend(column.tolist())
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        # The fused LM head builds no logits: evaluation reports the TOPR loss and the metrics.
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        prefix = "eval_" if mode == "eval" else ""
+        for name, values in self._metrics[mode].items():
+            values = [v for v in values if not math.isnan(v)]  # e.g. no negatives in a batch
+            if not values:
+                continue
+            reduce = min if name.endswith("_min") else max if name.endswith("_max") else None
+            logs[prefix + name] = reduce(values) if reduce else sum(values) / len(values)
+        self._metrics[mode].clear()
+        super(SFTTrainer, self).log(logs, start_time)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """
+        Save the model (or the PEFT adapter) and its tokenizer to `output_dir`, with a model card naming TOPR.
+
+        Args:
+            output_dir (`str`, *optional*):
+                Folder to save to. Defaults to `args.output_dir`.
+        """
+        super().save_model(output_dir, _internal_call)
+        if _internal_call or not self.is_world_process_zero():
+            return  # checkpoints and `push_to_hub` write their own card
+        output_dir = output_dir or self.args.output_dir
+        model_name = self.args.hub_model_id.split("/")[-1] if self.args.hub_model_id else Path(output_dir).name
+        # `create_model_card` writes to `args.output_dir`
+        card_dir, self.args.output_dir = self.args.output_dir, output_dir
+        try:
+            self.create_model_card(model_name=model_name)
+        finally:
+            self.args.output_dir = card_dir
