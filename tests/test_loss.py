@@ -1,0 +1,263 @@
+"""`topr_loss` against values and gradients computed by hand, for every loss type, ratio level and normalization."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trl_topr import topr_loss, topr_weights
+from trl_topr.loss import LOSS_NORMALIZATIONS, LOSS_TYPES, RATIO_LEVELS
+
+
+# Three sequences of lengths 3, 2, 1 (right-padded): a positive, a negative, a negative.
+LOGPS = [[-0.5, -1.0, -1.5], [-2.0, -1.0, 0.0], [-0.3, 0.0, 0.0]]
+MASK = [[1, 1, 1], [1, 1, 0], [1, 0, 0]]
+REWARDS = [1.0, -1.0, -2.0]
+# Per-token behavior log-probs; their sums are -2.5, -4.0, -0.1.
+BEHAVIOR = [[-0.5, -0.5, -1.5], [-2.5, -1.5, 0.0], [-0.1, 0.0, 0.0]]
+
+
+def clip(x, low, high):
+    return min(max(x, low), high)
+
+
+def reference_weight(log_ratio, advantage, loss_type, epsilon=0.2):
+    """The paper's table, written out per case with plain floats."""
+    ratio = math.exp(log_ratio)
+    positive = advantage >= 0
+    if loss_type == "topr":
+        return 1.0 if positive else clip(ratio, 0.0, 1.0)
+    if loss_type == "reinforce":
+        return 1.0
+    if loss_type == "is":
+        return ratio
+    if loss_type == "tis":
+        return clip(ratio, 0.0, 1.0)
+    if loss_type == "positives_only":
+        return 1.0 if positive else 0.0
+    if loss_type == "ppo_clip":  # gradient weight of min(r A, clip(r, 1 - eps, 1 + eps) A)
+        inside = ratio <= 1 + epsilon if positive else ratio >= 1 - epsilon
+        return ratio if inside else 0.0
+    raise AssertionError(loss_type)
+
+
+def reference_loss(loss_type, ratio_level, normalization, baseline=0.0, per_token_behavior=True):
+    """Loss and d loss / d logp, token by token, with plain Python floats."""
+    total, grads, tokens = 0.0, [[0.0] * 3 for _ in LOGPS], sum(map(sum, MASK))
+    for i, (logps, mask, reward, behavior) in enumerate(zip(LOGPS, MASK, REWARDS, BEHAVIOR)):
+        n = sum(mask)
+        advantage = reward - baseline
+        sequence_log_ratio = sum((lp - b) for lp, b, m in zip(logps, behavior, mask) if m)
+        for t in range(3):
+            if not mask[t]:
+                continue
+            if ratio_level == "token":
+                log_ratio = logps[t] - behavior[t]
+            elif ratio_level == "sequence_mean":
+                log_ratio = sequence_log_ratio / n
+            else:
+                log_ratio = sequence_log_ratio
+            weight = reference_weight(log_ratio, advantage, loss_type)
+            scale = {"sequence_length": 1 / (n * len(LOGPS)), "token_mean": 1 / tokens, "sum": 1 / len(LOGPS)}
+            total += -weight * advantage * logps[t] * scale[normalization]
+            grads[i][t] = -weight * advantage * scale[normalization]
+    return total, grads
+
+
+def run(loss_type, ratio_level, normalization, baseline=0.0, per_token_behavior=True, **kwargs):
+    logps = torch.tensor(LOGPS, dtype=torch.float64, requires_grad=True)
+    behavior = torch.tensor(BEHAVIOR, dtype=torch.float64)
+    if not per_token_behavior:
+        behavior = (behavior * torch.tensor(MASK)).sum(-1)
+    loss, metrics = topr_loss(
+        logps,
+        torch.tensor(MASK),
+        torch.tensor(REWARDS),
+        behavior,
+        loss_type=loss_type,
+        baseline=baseline,
+        ratio_level=ratio_level,
+        loss_normalization=normalization,
+        **kwargs,
+    )
+    loss.backward()
+    return loss, logps.grad, metrics
+
+
+@pytest.mark.parametrize("normalization", LOSS_NORMALIZATIONS)
+@pytest.mark.parametrize("ratio_level", RATIO_LEVELS)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_value_and_gradient_match_hand_computation(loss_type, ratio_level, normalization):
+    loss, grad, _ = run(loss_type, ratio_level, normalization)
+    expected_loss, expected_grad = reference_loss(loss_type, ratio_level, normalization)
+    assert loss.item() == pytest.approx(expected_loss, rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(grad, torch.tensor(expected_grad, dtype=torch.float64), rtol=1e-5, atol=1e-7)
+
+
+def test_topr_literal_values():
+    # Sequence log-ratios: -0.5 (positive), +1.0 and -0.2 (negatives; e^1 is capped at 1).
+    # loss = -[ 1*1*(-3)/3 + 1*(-1)*(-3)/2 + e^-0.2*(-2)*(-0.3)/1 ] / 3
+    loss, grad, metrics = run("topr", "sequence", "sequence_length")
+    expected = -(-1.0 + 1.5 + math.exp(-0.2) * 0.6) / 3
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert grad[0, 0].item() == pytest.approx(-1 / 9)  # positive: weight 1 although pi/mu = e^-0.5
+    assert grad[1, 0].item() == pytest.approx(1 / 6)  # negative pushed down at full weight
+    assert grad[2, 0].item() == pytest.approx(2 * math.exp(-0.2) / 3)  # negative pushed down, tapered
+    assert grad[2, 1].item() == 0.0  # padding gets no gradient
+    assert metrics["negative_weight_mean"].item() == pytest.approx((1 + math.exp(-0.2)) / 2)
+    assert metrics["negative_tapered_fraction"].item() == 0.5
+    assert metrics["positive_fraction"].item() == pytest.approx(1 / 3)
+    assert metrics["effective_positive_fraction"].item() == pytest.approx(1 / 4)  # |A|: 1 vs 1 + 2
+    assert metrics["log_ratio_min"].item() == pytest.approx(-0.5)
+    assert metrics["log_ratio_max"].item() == pytest.approx(1.0)
+    assert metrics["completion_length"].item() == pytest.approx(2.0)
+
+
+def test_sequence_sums_and_per_token_behavior_agree():
+    for loss_type in LOSS_TYPES:
+        summed = run(loss_type, "sequence", "sequence_length", per_token_behavior=False)
+        per_token = run(loss_type, "sequence", "sequence_length", per_token_behavior=True)
+        torch.testing.assert_close(summed[0], per_token[0])
+        torch.testing.assert_close(summed[1], per_token[1])
+
+
+def test_token_ratio_needs_per_token_behavior():
+    with pytest.raises(ValueError, match="per-token"):
+        run("topr", "token", "sequence_length", per_token_behavior=False)
+
+
+def test_baseline_moves_the_sign_and_scales_the_advantage():
+    # c = -1.5: the -1 negative becomes a positive with weight 1 and advantage 0.5.
+    loss, grad, metrics = run("topr", "sequence", "sequence_length", baseline=-1.5)
+    expected_loss, expected_grad = reference_loss("topr", "sequence", "sequence_length", baseline=-1.5)
+    assert loss.item() == pytest.approx(expected_loss)
+    assert grad[1, 0].item() == pytest.approx(-0.5 / 6)
+    assert metrics["baseline"].item() == -1.5
+    assert metrics["positive_fraction"].item() == pytest.approx(2 / 3)
+
+
+def on_policy_batch(seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    logps = -torch.rand(4, 5, generator=generator, dtype=torch.float64) * 3
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 0, 0, 0, 0]])
+    rewards = torch.tensor([1.0, -1.0, -0.5, 2.0])
+    return logps, mask, rewards
+
+
+@pytest.mark.parametrize("ratio_level", RATIO_LEVELS)
+def test_on_policy_topr_equals_reinforce(ratio_level):
+    logps, mask, rewards = on_policy_batch()
+    results = []
+    for loss_type in ("topr", "reinforce"):
+        leaf = logps.clone().requires_grad_(True)
+        loss, _ = topr_loss(
+            leaf, mask, rewards, logps.clone(), loss_type=loss_type, ratio_level=ratio_level
+        )  # behavior = current policy
+        loss.backward()
+        results.append((loss.detach(), leaf.grad))
+    torch.testing.assert_close(results[0][0], results[1][0])
+    torch.testing.assert_close(results[0][1], results[1][1])
+
+
+def test_weight_is_detached_gradient_is_weighted_score():
+    # d loss / d logp = -alpha (R - c) / |y| / B exactly: no gradient flows through alpha.
+    logps, mask, rewards = on_policy_batch()
+    behavior = (logps * mask).sum(-1) + torch.tensor([0.0, 0.7, -0.3, 5.0])  # pi/mu = 1, e^-0.7, e^0.3, e^-5
+    leaf = logps.clone().requires_grad_(True)
+    loss, _ = topr_loss(leaf, mask, rewards, behavior)
+    loss.backward()
+    weights = torch.tensor([1.0, math.exp(-0.7), 1.0, 1.0], dtype=torch.float64)  # e^0.3 is capped at 1
+    expected = -(weights * rewards.double() / mask.sum(-1))[:, None] * mask / 4
+    torch.testing.assert_close(leaf.grad, expected)
+
+
+def test_positives_keep_weight_one_however_far_pi_is_from_mu():
+    log_ratio = torch.tensor([-1e4, -50.0, 0.0, 50.0, 1e4])
+    weights = topr_weights(log_ratio, torch.ones(5))
+    assert torch.equal(weights, torch.ones(5))
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extreme_log_ratios_give_finite_loss_and_gradients(loss_type, dtype):
+    logps = torch.tensor([[-1.0, -2.0], [-1.0, -2.0], [-3.0, -1.0], [-3.0, -1.0]], dtype=dtype)
+    behavior = torch.tensor([1e4, -1e4, 1e4, -1e4]) * -1 + logps.float().sum(-1)  # log-ratios -+1e4
+    rewards = torch.tensor([1e6, 1e6, -1e6, -1e6])
+    for ratio_level in RATIO_LEVELS:
+        leaf = logps.clone().requires_grad_(True)
+        per_token = behavior[:, None] / 2 if ratio_level == "token" else behavior
+        loss, metrics = topr_loss(leaf, torch.ones(4, 2), rewards, per_token, loss_type=loss_type,
+                                  ratio_level=ratio_level)
+        loss.backward()
+        assert torch.isfinite(loss), (loss_type, ratio_level)
+        assert torch.isfinite(leaf.grad).all(), (loss_type, ratio_level)
+        assert all(torch.isfinite(v) or torch.isnan(v) for v in metrics.values())
+
+
+def test_all_negative_batch_is_finite_and_pushes_down():
+    logps, mask, _ = on_policy_batch()
+    leaf = logps.clone().requires_grad_(True)
+    loss, metrics = topr_loss(leaf, mask, -torch.ones(4), (logps * mask).sum(-1))
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert (leaf.grad[mask.bool()] > 0).all()  # gradient descent lowers every negative token's log-prob
+    assert math.isnan(metrics["positive_weight_mean"].item())  # undefined, reported as nan, never in the loss
+
+
+def test_empty_completion_row_contributes_nothing():
+    logps = torch.tensor([[-1.0, -1.0], [-2.0, -2.0]], requires_grad=True)
+    loss, _ = topr_loss(logps, torch.tensor([[1, 1], [0, 0]]), torch.tensor([1.0, -1.0]), torch.tensor([-2.0, 0.0]))
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert logps.grad[1].abs().sum() == 0
+
+
+def test_custom_windows_override_the_preset():
+    log_ratio = torch.tensor([math.log(0.1), math.log(0.5), math.log(3.0)])
+    weights = topr_weights(log_ratio, -torch.ones(3), negative_ratio_bounds=(0.2, 2.0))
+    torch.testing.assert_close(weights, torch.tensor([0.2, 0.5, 2.0]))
+    weights = topr_weights(log_ratio, torch.ones(3), loss_type="reinforce", positive_ratio_bounds=(0.0, 1.0))
+    torch.testing.assert_close(weights, torch.tensor([0.1, 0.5, 1.0]))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"loss_type": "dpo"}, "loss_type"),
+        ({"negative_ratio_bounds": (1.0, 0.5)}, "negative_ratio_bounds"),
+        ({"positive_ratio_bounds": (-1.0, 1.0)}, "positive_ratio_bounds"),
+        ({"loss_type": "ppo_clip", "negative_ratio_bounds": (0.0, 1.0)}, "ppo_clip"),
+    ],
+)
+def test_invalid_options_raise(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        topr_weights(torch.zeros(2), torch.ones(2), **kwargs)
+
+
+def test_unknown_level_and_normalization_raise():
+    logps, mask, rewards = on_policy_batch()
+    with pytest.raises(ValueError, match="ratio_level"):
+        topr_loss(logps, mask, rewards, logps.sum(-1), ratio_level="tokens")
+    with pytest.raises(ValueError, match="loss_normalization"):
+        topr_loss(logps, mask, rewards, logps.sum(-1), loss_normalization="mean")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    log_ratio=st.floats(-1e4, 1e4),
+    advantage=st.floats(-1e6, 1e6),
+    loss_type=st.sampled_from(LOSS_TYPES),
+)
+def test_weights_stay_finite_and_within_their_window(log_ratio, advantage, loss_type):
+    advantage = torch.tensor([advantage])  # the sign test sees the float32 value (-1e-250 is -0.0 there)
+    weight = topr_weights(torch.tensor([log_ratio]), advantage, loss_type=loss_type).item()
+    advantage = advantage.item()
+    assert math.isfinite(weight) and weight >= 0
+    if loss_type == "topr":
+        assert (weight == 1.0) if advantage >= 0 else (0.0 <= weight <= 1.0)
+    if loss_type == "tis":
+        assert weight <= 1.0
+    if loss_type == "positives_only" and advantage < 0:
+        assert weight == 0.0
