@@ -30,7 +30,7 @@ CORPUS = [
 ] * 20
 
 
-def build_tiny_model(folder: str, seed: int = 0) -> str:
+def build_tiny_model(folder: str, seed: int = 0, hidden_size: int = 32) -> str:
     """Save a 2-layer Llama and a ~200-token BPE tokenizer (ChatML template) to `folder`; return the folder."""
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -47,8 +47,8 @@ def build_tiny_model(folder: str, seed: int = 0) -> str:
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -13,6 +13,7 @@ from datasets import Dataset, concatenate_datasets, is_caching_enabled
 from datasets.fingerprint import Hasher
 from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback, TrainingArguments
+from transformers.utils import is_bitsandbytes_available
 from trl import SFTTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
@@ -38,6 +39,25 @@ def _sft_loss_type(args: TOPRConfig):
         yield
     finally:
         args.loss_type = loss_type
+
+
+@contextlib.contextmanager
+def _inference_mode(model: torch.nn.Module):
+    # Eval mode (no dropout: mu is the policy that samples), except for bitsandbytes 4-bit layers, which hold no
+    # dropout but, on CPU in eval mode, repack their weights into an inference-only layout that later cuts the
+    # gradients of QLoRA training.
+    was_training = model.training
+    model.eval()
+    if is_bitsandbytes_available():
+        import bitsandbytes as bnb
+
+        for module in model.modules():
+            if isinstance(module, bnb.nn.Linear4bit):
+                module.train()
+    try:
+        yield
+    finally:
+        model.train(was_training)
 
 
 class TOPRTrainer(SFTTrainer):
@@ -220,10 +240,9 @@ class TOPRTrainer(SFTTrainer):
         loader = self.accelerator.prepare(
             DataLoader(dataset.select_columns(["input_ids", "labels"]), batch_size=batch_size, collate_fn=collator)
         )
-        was_training = self.model.training
-        self.model.eval()
         values = []
         with (
+            _inference_mode(self.model),
             disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
             self.compute_loss_context_manager(),
         ):
@@ -235,7 +254,6 @@ class TOPRTrainer(SFTTrainer):
                     (per_token_logps.float(), completion_mask)
                 )
                 values.extend(row[mask].tolist() for row, mask in zip(per_token_logps.cpu(), completion_mask.cpu()))
-        self.model.train(was_training)
 
         if cache_file is None:
             return dataset.add_column(BEHAVIOR_LOGPS, values)

@@ -1,0 +1,235 @@
+"""TOPRTrainer on a tiny Llama built from a config: data formats, behavior log-probs, PEFT, QLoRA, baselines, resume."""
+
+import math
+import os
+
+import pytest
+import torch
+from conftest import build_tiny_model, conversational_dataset, make_args, standard_dataset
+from datasets import Dataset
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, TrainerCallback
+
+from trl_topr import TOPRTrainer
+
+
+def first_log(trainer, key):
+    return next(entry[key] for entry in trainer.state.log_history if key in entry)
+
+
+def logged(trainer, key):
+    return [entry[key] for entry in trainer.state.log_history if key in entry]
+
+
+def weights(model):
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def precomputed_behavior(tiny_model_path, tmp_path, dataset):
+    """Per-token behavior log-probs as the trainer computes them for `dataset`."""
+    trainer = TOPRTrainer(tiny_model_path, args=make_args(tmp_path / "mu"), train_dataset=dataset)
+    return trainer.train_dataset["behavior_logps"]
+
+
+@pytest.mark.parametrize("make_dataset", [standard_dataset, conversational_dataset])
+def test_trains_and_precomputes_behavior_logps_on_policy(tiny_model_path, tmp_path, make_dataset):
+    trainer = TOPRTrainer(tiny_model_path, args=make_args(tmp_path), train_dataset=make_dataset())
+    behavior = trainer.train_dataset["behavior_logps"]
+    labels = trainer.train_dataset["labels"]
+    # one value per completion token, each a log-probability
+    assert [len(b) for b in behavior] == [sum(label != -100 for label in row) for row in labels]
+    assert all(v < 0 for row in behavior for v in row)
+    before = weights(trainer.model)
+    trainer.train()
+    # step 0 is on-policy: pi = mu exactly, so the ratio is 1
+    assert first_log(trainer, "log_ratio_mean") == pytest.approx(0.0, abs=1e-5)
+    assert first_log(trainer, "negative_weight_mean") == pytest.approx(1.0, abs=1e-5)
+    assert all(math.isfinite(loss) for loss in logged(trainer, "loss"))
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+    for key in ("reward", "positive_fraction", "effective_positive_fraction", "baseline", "negative_weight_mean",
+                "negative_tapered_fraction", "log_ratio_min", "log_ratio_max", "completion_length", "entropy"):
+        assert key in trainer.state.log_history[0], key
+
+
+def test_given_per_sequence_behavior_logps_set_the_ratio(tiny_model_path, tmp_path):
+    per_token = precomputed_behavior(tiny_model_path, tmp_path, standard_dataset())
+    # mu is e^2 times more likely than pi on every sequence: log pi/mu = -2 at step 0.
+    dataset = standard_dataset(behavior_logps=[sum(row) + 2.0 for row in per_token])
+    trainer = TOPRTrainer(tiny_model_path, args=make_args(tmp_path, max_steps=1), train_dataset=dataset)
+    trainer.train()
+    assert first_log(trainer, "log_ratio_mean") == pytest.approx(-2.0, abs=1e-4)
+    assert first_log(trainer, "negative_weight_mean") == pytest.approx(math.exp(-2.0), rel=1e-3)
+    assert first_log(trainer, "negative_tapered_fraction") == 1.0
+
+
+def test_given_per_token_behavior_logps_and_token_ratio(tiny_model_path, tmp_path):
+    per_token = precomputed_behavior(tiny_model_path, tmp_path, conversational_dataset())
+    dataset = conversational_dataset().add_column("behavior_logps", [[v - 0.5 for v in row] for row in per_token])
+    args = make_args(tmp_path, max_steps=1, ratio_level="token")
+    trainer = TOPRTrainer(tiny_model_path, args=args, train_dataset=dataset)
+    trainer.train()
+    assert first_log(trainer, "log_ratio_mean") == pytest.approx(0.5, abs=1e-4)  # per token
+    assert first_log(trainer, "negative_weight_mean") == pytest.approx(1.0)  # e^0.5 capped at 1
+
+
+def test_token_ratio_refuses_per_sequence_behavior(tiny_model_path, tmp_path):
+    dataset = standard_dataset(behavior_logps=[-10.0] * 8)
+    with pytest.raises(ValueError, match="per-token"):
+        TOPRTrainer(tiny_model_path, args=make_args(tmp_path, ratio_level="token"), train_dataset=dataset)
+
+
+def test_label_column_maps_to_plus_minus_one(tiny_model_path, tmp_path):
+    dataset = standard_dataset().remove_columns("reward").add_column("label", [True, False] * 4)
+    trainer = TOPRTrainer(tiny_model_path, args=make_args(tmp_path, max_steps=1), train_dataset=dataset)
+    assert trainer.train_dataset["reward"] == [1.0, -1.0] * 4
+    trainer.train()
+    assert first_log(trainer, "positive_fraction") == pytest.approx(0.5)
+
+
+def test_custom_column_names(tiny_model_path, tmp_path):
+    dataset = standard_dataset().rename_columns({"prompt": "question", "completion": "answer", "reward": "score"})
+    args = make_args(tmp_path, max_steps=1, prompt_column="question", completion_column="answer",
+                     reward_column="score")
+    trainer = TOPRTrainer(tiny_model_path, args=args, train_dataset=dataset)
+    trainer.train()
+    assert trainer.train_dataset["reward"] == standard_dataset()["reward"]
+
+
+def test_target_positive_fraction_derives_the_baseline(tiny_model_path, tmp_path):
+    # 2 positives in 8: p = 0.25; target 0.5 -> c = (p - t) / (p + t - 2 p t) = -0.5
+    dataset = standard_dataset().remove_columns("reward").add_column("reward", [1.0, -1.0, -1.0, -1.0] * 2)
+    args = make_args(tmp_path, max_steps=2, target_positive_fraction=0.5, per_device_train_batch_size=8)
+    trainer = TOPRTrainer(tiny_model_path, args=args, train_dataset=dataset)
+    assert trainer.baseline == pytest.approx(-0.5)
+    trainer.train()
+    assert first_log(trainer, "baseline") == pytest.approx(-0.5)
+    assert first_log(trainer, "effective_positive_fraction") == pytest.approx(0.5)
+
+
+def test_explicit_baseline_is_used(tiny_model_path, tmp_path):
+    trainer = TOPRTrainer(tiny_model_path, args=make_args(tmp_path, max_steps=1, baseline=0.25),
+                          train_dataset=standard_dataset())
+    trainer.train()
+    assert first_log(trainer, "baseline") == 0.25
+
+
+def test_lora_trains_only_the_adapter_and_saves_it_with_a_card(tiny_model_path, tmp_path):
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = TOPRTrainer(tiny_model_path, args=make_args(tmp_path), train_dataset=standard_dataset(),
+                          peft_config=peft_config)
+    assert isinstance(trainer.model, PeftModel)
+    before = weights(trainer.model)
+    trainer.train()
+    changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(before[n], p)}
+    assert changed and all("lora_" in n for n in changed)
+    trainer.save_model()
+    files = os.listdir(tmp_path)
+    assert "adapter_model.safetensors" in files and "adapter_config.json" in files
+    assert "model.safetensors" not in files
+    card = (tmp_path / "README.md").read_text()
+    assert "TOPR" in card and "2503.14286" in card and "- topr" in card and "- trl" in card
+
+
+def test_accepts_model_objects_and_peft_models(tiny_model_path, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    trainer = TOPRTrainer(model, args=make_args(tmp_path, max_steps=1), train_dataset=standard_dataset(),
+                          processing_class=tokenizer)
+    trainer.train()
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path),
+                                LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    trainer = TOPRTrainer(peft_model, args=make_args(tmp_path, max_steps=1), train_dataset=standard_dataset(),
+                          processing_class=tokenizer)
+    trainer.train()
+    assert math.isfinite(first_log(trainer, "loss"))
+
+
+def test_model_init_kwargs_are_honoured(tiny_model_path, tmp_path):
+    args = make_args(tmp_path, max_steps=1, model_init_kwargs={"dtype": "bfloat16"})
+    trainer = TOPRTrainer(tiny_model_path, args=args, train_dataset=standard_dataset())
+    assert trainer.model.dtype == torch.bfloat16
+    trainer.train()
+    assert math.isfinite(first_log(trainer, "loss"))
+
+
+def test_qlora_4bit_trains_on_cpu(tmp_path):
+    # bitsandbytes quantizes in blocks of 64 input features: the model needs hidden sizes of at least 64.
+    model_path = build_tiny_model(str(tmp_path / "model"), hidden_size=64)
+    quantization_config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                             bnb_4bit_compute_dtype=torch.float32)
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"],
+                             task_type="CAUSAL_LM")
+    args = make_args(tmp_path, max_steps=3)
+    trainer = TOPRTrainer(model_path, args=args, train_dataset=standard_dataset(),
+                          peft_config=peft_config, quantization_config=quantization_config)
+    assert trainer.model.get_base_model().is_loaded_in_4bit
+    before = weights(trainer.model)
+    trainer.train()
+    assert all(math.isfinite(loss) for loss in logged(trainer, "loss"))
+    assert first_log(trainer, "log_ratio_mean") == pytest.approx(0.0, abs=1e-4)
+    changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(before[n], p)}
+    assert changed and all("lora_" in n for n in changed)
+
+
+def test_eval_dataset_reports_topr_loss_and_metrics(tiny_model_path, tmp_path):
+    args = make_args(tmp_path, max_steps=1, eval_strategy="no")
+    trainer = TOPRTrainer(tiny_model_path, args=args, train_dataset=standard_dataset(),
+                          eval_dataset=conversational_dataset(4))
+    assert "behavior_logps" in trainer.eval_dataset.column_names
+    metrics = trainer.evaluate()
+    assert math.isfinite(metrics["eval_loss"])
+    assert metrics["eval_log_ratio_mean"] == pytest.approx(0.0, abs=1e-5)
+    assert metrics["eval_positive_fraction"] == pytest.approx(0.5)
+
+
+class StopAt(TrainerCallback):
+    """Interrupts training after `step` (its checkpoint saved), as a crash would."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = state.global_step >= self.step
+
+
+def test_resume_from_checkpoint_continues_where_it_stopped(tiny_model_path, tmp_path):
+    def trainer(output_dir, callbacks=None):
+        args = make_args(output_dir, max_steps=4, save_strategy="steps", save_steps=2, per_device_train_batch_size=2)
+        return TOPRTrainer(tiny_model_path, args=args, train_dataset=standard_dataset(), callbacks=callbacks)
+
+    full = trainer(tmp_path / "full")
+    full.train()
+    trainer(tmp_path / "interrupted", callbacks=[StopAt(2)]).train()
+    assert os.path.isdir(tmp_path / "interrupted" / "checkpoint-2")
+    resumed = trainer(tmp_path / "interrupted")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "interrupted" / "checkpoint-2"))
+    assert resumed.state.global_step == 4
+    losses = [(e["step"], e["loss"]) for e in resumed.state.log_history if "loss" in e]
+    expected = [(e["step"], e["loss"]) for e in full.state.log_history if "loss" in e]
+    assert [step for step, _ in losses] == [1, 2, 3, 4]
+    assert [loss for _, loss in losses] == pytest.approx([loss for _, loss in expected], abs=1e-6)
+    for (name, a), b in zip(full.model.named_parameters(), resumed.model.parameters()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_truncation_cuts_per_token_behavior_with_the_completion(tiny_model_path, tmp_path):
+    per_token = precomputed_behavior(tiny_model_path, tmp_path, standard_dataset())
+    dataset = standard_dataset(behavior_logps=per_token)
+    trainer = TOPRTrainer(tiny_model_path, args=make_args(tmp_path, max_length=20), train_dataset=dataset)
+    for row, full in zip(trainer.train_dataset, per_token):
+        assert len(row["input_ids"]) <= 20
+        kept = sum(label != -100 for label in row["labels"])
+        assert row["behavior_logps"] == full[:kept]
+    trainer.train()
+    assert first_log(trainer, "log_ratio_mean") == pytest.approx(0.0, abs=1e-5)
+
+
+def test_dataset_from_files_caches_behavior_logps(tiny_model_path, tmp_path):
+    # A dataset backed by files gets its precomputed behavior log-probs cached next to it, keyed by data and weights.
+    path = tmp_path / "data.jsonl"
+    standard_dataset().to_json(str(path))
+    dataset = Dataset.from_json(str(path), cache_dir=str(tmp_path / "cache"))
+    first = TOPRTrainer(tiny_model_path, args=make_args(tmp_path / "a"), train_dataset=dataset)
+    second = TOPRTrainer(tiny_model_path, args=make_args(tmp_path / "b"), train_dataset=dataset)
+    assert first.train_dataset["behavior_logps"] == second.train_dataset["behavior_logps"]
+    assert any(f.startswith("cache-") for f in os.listdir(os.path.dirname(dataset.cache_files[0]["filename"])))
