@@ -39,14 +39,26 @@ def _is_number(value: Any) -> bool:
 def _check_text(value: Any, conversational: bool, dataset_name: str, column: str, row: int, allow_empty: bool):
     if conversational:
         if not isinstance(value, list) or not all(
-            isinstance(m, dict) and "role" in m and "content" in m for m in value
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), (str, list))
+            for m in value
         ):
-            raise _fail(dataset_name, column, row, "expected a list of messages with 'role' and 'content', like row 0.")
+            raise _fail(
+                dataset_name,
+                column,
+                row,
+                f"expected a list of messages with string 'role' and 'content' (row 0's prompt is conversational), "
+                f"got {value!r}.",
+            )
         if not allow_empty and not any(m["content"] for m in value):
             raise _fail(dataset_name, column, row, "empty completion: there is nothing to train on.")
     else:
         if not isinstance(value, str):
-            raise _fail(dataset_name, column, row, f"expected a string, like row 0, got {type(value).__name__}.")
+            raise _fail(
+                dataset_name,
+                column,
+                row,
+                f"expected a string (row 0's prompt is text), got {type(value).__name__}: {value!r}.",
+            )
         if not allow_empty and not value:
             raise _fail(dataset_name, column, row, "empty completion: there is nothing to train on.")
 

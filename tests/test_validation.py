@@ -1,0 +1,146 @@
+"""Every breach of the data contract raises before training, naming the column and the first bad row, and leaves
+the output folder empty."""
+
+import math
+import os
+
+import pytest
+from conftest import conversational_dataset, make_args, standard_dataset
+from datasets import Dataset
+
+from trl_topr import TOPRDataError, TOPRTrainer
+
+
+def replace(dataset: Dataset, column: str, row: int, value) -> Dataset:
+    values = list(dataset[column])
+    values[row] = value
+    return dataset.remove_columns(column).add_column(column, values)
+
+
+def behavior_for(dataset, value):
+    return dataset.add_column("behavior_logps", [value] * len(dataset))
+
+
+CASES = {
+    "missing prompt": (lambda: standard_dataset().remove_columns("prompt"), "column 'prompt'", None),
+    "missing completion": (lambda: standard_dataset().remove_columns("completion"), "column 'completion'", None),
+    "missing reward and label": (lambda: standard_dataset().remove_columns("reward"), "column 'reward'", None),
+    "empty dataset": (lambda: standard_dataset().select([]), "no rows", None),
+    "reward is a string": (
+        lambda: standard_dataset().remove_columns("reward").add_column("reward", ["1"] * 8),
+        "column 'reward', row 0",
+        "expected a number",
+    ),
+    "reward is None": (lambda: replace(standard_dataset(), "reward", 3, None), "column 'reward', row 3", "number"),
+    "reward is NaN": (lambda: replace(standard_dataset(), "reward", 5, math.nan), "column 'reward', row 5", "finite"),
+    "reward is inf": (lambda: replace(standard_dataset(), "reward", 2, math.inf), "column 'reward', row 2", "finite"),
+    "reward is boolean": (
+        lambda: standard_dataset().remove_columns("reward").add_column("reward", [True] * 8),
+        "column 'reward', row 0",
+        "'label' column",
+    ),
+    "label is not boolean": (
+        lambda: standard_dataset().remove_columns("reward").add_column("label", ["yes"] * 8),
+        "column 'label', row 0",
+        "boolean",
+    ),
+    "behavior is NaN": (
+        lambda: replace(behavior_for(standard_dataset(), -3.0), "behavior_logps", 4, math.nan),
+        "column 'behavior_logps', row 4",
+        "finite and <= 0",
+    ),
+    "behavior is positive": (
+        lambda: replace(behavior_for(standard_dataset(), -3.0), "behavior_logps", 1, 0.5),
+        "column 'behavior_logps', row 1",
+        "<= 0",
+    ),
+    "behavior is -inf": (
+        lambda: replace(behavior_for(standard_dataset(), -3.0), "behavior_logps", 6, -math.inf),
+        "column 'behavior_logps', row 6",
+        "finite",
+    ),
+    "per-token behavior with a positive value": (
+        lambda: replace(behavior_for(standard_dataset(), [-1.0] * 18), "behavior_logps", 2, [-1.0] * 17 + [0.1]),
+        "column 'behavior_logps', row 2",
+        "<= 0",
+    ),
+    "per-token behavior of the wrong length": (
+        lambda: behavior_for(standard_dataset(), [-1.0] * 3),
+        "column 'behavior_logps', row 0",
+        "3 per-token values for",
+    ),
+    "empty completion": (lambda: replace(standard_dataset(), "completion", 6, ""), "column 'completion', row 6",
+                         "empty completion"),
+    "empty conversational completion": (
+        lambda: replace(conversational_dataset(), "completion", 1, [{"role": "assistant", "content": ""}]),
+        "column 'completion', row 1",
+        "empty completion",
+    ),
+    "message without content": (
+        lambda: replace(conversational_dataset(), "prompt", 2, [{"role": "user", "content": None}]),
+        "column 'prompt', row 2",
+        "list of messages",
+    ),
+    "mixed standard and conversational columns": (
+        lambda: standard_dataset().remove_columns("completion").add_column(
+            "completion", conversational_dataset()["completion"]
+        ),
+        "column 'completion', row 0",
+        "expected a string (row 0's prompt is text)",
+    ),
+    "not a dataset": (lambda: [{"prompt": "a", "completion": "b", "reward": 1.0}], "datasets.Dataset", None),
+    "streaming dataset": (lambda: standard_dataset().to_iterable_dataset(), "IterableDataset", None),
+    "configured column clashes with an existing one": (
+        lambda: standard_dataset().add_column("score", [0.0] * 8),
+        "exist but the config reads other columns",
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_data_raises_before_training(case, tiny_model_path, tmp_path):
+    make_dataset, where, what = CASES[case]
+    output_dir = tmp_path / "out"
+    kwargs = {"reward_column": "score"} if case.startswith("configured column") else {}
+    with pytest.raises((TOPRDataError, TypeError)) as error:
+        TOPRTrainer(tiny_model_path, args=make_args(output_dir, **kwargs), train_dataset=make_dataset())
+    assert where in str(error.value)
+    if what:
+        assert what in str(error.value)
+    assert not output_dir.exists() or not os.listdir(output_dir)
+
+
+def test_prompt_filling_max_length_names_the_row(tiny_model_path, tmp_path):
+    dataset = replace(standard_dataset(), "prompt", 5, "What is 1 + 3? " * 10)
+    with pytest.raises(TOPRDataError, match=r"train dataset, column 'prompt', row 5: the prompt fills `max_length`"):
+        TOPRTrainer(tiny_model_path, args=make_args(tmp_path / "out", max_length=40), train_dataset=dataset)
+    assert not (tmp_path / "out").exists()
+
+
+def test_sequence_behavior_with_a_truncated_completion_names_the_row(tiny_model_path, tmp_path):
+    dataset = behavior_for(replace(standard_dataset(), "completion", 3, " The answer is 6." * 5), -30.0)
+    with pytest.raises(TOPRDataError, match=r"column 'behavior_logps', row 3: `max_length` \(40\) cuts"):
+        TOPRTrainer(tiny_model_path, args=make_args(tmp_path / "out", max_length=40), train_dataset=dataset)
+
+
+def test_eval_dataset_is_checked_too(tiny_model_path, tmp_path):
+    with pytest.raises(TOPRDataError, match="eval dataset, column 'reward', row 1"):
+        TOPRTrainer(tiny_model_path, args=make_args(tmp_path), train_dataset=standard_dataset(),
+                    eval_dataset=replace(standard_dataset(), "reward", 1, math.nan))
+
+
+def test_target_fraction_needs_two_reward_values(tiny_model_path, tmp_path):
+    dataset = standard_dataset().remove_columns("reward").add_column("reward", [-1.0] * 8)
+    with pytest.raises(ValueError, match="two distinct rewards"):
+        TOPRTrainer(tiny_model_path, args=make_args(tmp_path, target_positive_fraction=0.2), train_dataset=dataset)
+
+
+@pytest.mark.parametrize("rewards", [[-1.0] * 8, [1.0] * 8, [1.0], [-1.0, -1.0]])
+def test_one_sided_and_tiny_datasets_train(rewards, tiny_model_path, tmp_path):
+    # All-negative, all-positive and single-row data are legal: TOPR pushes down / SFTs what it has.
+    dataset = standard_dataset(len(rewards)).remove_columns("reward").add_column("reward", rewards)
+    trainer = TOPRTrainer(tiny_model_path, args=make_args(tmp_path, max_steps=2), train_dataset=dataset)
+    trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert losses and all(math.isfinite(loss) for loss in losses)
