@@ -144,3 +144,14 @@ def test_one_sided_and_tiny_datasets_train(rewards, tiny_model_path, tmp_path):
     trainer.train()
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     assert losses and all(math.isfinite(loss) for loss in losses)
+
+
+def test_empty_prompt_trains_and_its_first_token_is_not_counted(tiny_model_path, tmp_path):
+    # The tiny tokenizer adds no BOS: with an empty prompt the first completion token has nothing to be predicted from.
+    dataset = replace(standard_dataset(), "prompt", 0, "")
+    trainer = TOPRTrainer(tiny_model_path, args=make_args(tmp_path, max_steps=2), train_dataset=dataset)
+    row = trainer.train_dataset[0]
+    assert row["labels"][0] == -100
+    assert len(row["behavior_logps"]) == sum(label != -100 for label in row["labels"])
+    trainer.train()
+    assert all(math.isfinite(e["loss"]) for e in trainer.state.log_history if "loss" in e)

@@ -176,8 +176,10 @@ def check_and_truncate_tokens(dataset: Dataset, max_length: int | None, dataset_
 
     The completion tokens are those whose label is not -100: the tokens of the completion text plus the end-of-sequence
     token appended to standard (non-conversational) completions, or, for conversational data, everything the chat
-    template renders after the prompt's generation prompt (e.g. the end-of-turn token). Per-token `behavior_logps`
-    must have one value per completion token, in order, and are truncated with the completion.
+    template renders after the prompt's generation prompt (e.g. the end-of-turn token). A token at position 0 (an empty
+    prompt with a tokenizer that adds no BOS token) has no context to be scored from and is not a completion token.
+    Per-token `behavior_logps` must have one value per completion token, in order, and are truncated with the
+    completion.
 
     Args:
         dataset ([`~datasets.Dataset`]):
@@ -195,8 +197,11 @@ def check_and_truncate_tokens(dataset: Dataset, max_length: int | None, dataset_
     """
     behavior = dataset[BEHAVIOR_LOGPS] if BEHAVIOR_LOGPS in dataset.column_names else None
     per_token = behavior is not None and isinstance(behavior[0], list)
-    needs_truncation = False
+    needs_rewrite = False
     for row, labels in enumerate(dataset["labels"]):
+        if labels[0] != -100:  # the first token is never predicted: drop it from the completion
+            labels = [-100] + labels[1:]
+            needs_rewrite = True
         num_completion = sum(label != -100 for label in labels)
         if num_completion == 0:
             raise _fail(dataset_name, COMPLETION, row, "the completion has no token after tokenization.")
@@ -211,7 +216,7 @@ def check_and_truncate_tokens(dataset: Dataset, max_length: int | None, dataset_
             )
         if max_length is None or len(labels) <= max_length:
             continue
-        needs_truncation = True
+        needs_rewrite = True
         kept = sum(label != -100 for label in labels[:max_length])
         if kept == 0:
             raise _fail(
@@ -230,11 +235,11 @@ def check_and_truncate_tokens(dataset: Dataset, max_length: int | None, dataset_
                 "behavior log-prob is a sum over the whole completion, so the ratio pi/mu would be wrong. Raise "
                 "`max_length`, or give per-token behavior log-probs (which are truncated with the completion).",
             )
-    if not needs_truncation:
+    if not needs_rewrite:
         return dataset
 
     def truncate(example):
-        output = {"input_ids": example["input_ids"][:max_length], "labels": example["labels"][:max_length]}
+        output = {"input_ids": example["input_ids"][:max_length], "labels": [-100] + example["labels"][1:max_length]}
         if per_token:
             output[BEHAVIOR_LOGPS] = example[BEHAVIOR_LOGPS][: sum(label != -100 for label in output["labels"])]
         return output
