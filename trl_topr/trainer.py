@@ -301,9 +301,10 @@ class TOPRTrainer(SFTTrainer):
         return (loss, outputs) if return_outputs else loss
 
     def _record_metrics(self, mode: str, metrics: dict[str, torch.Tensor]) -> None:
-        # One gather for all the metrics; each process contributes its micro-batch's values.
+        # One gather for all the metrics; each process contributes its micro-batch's values. (Not `gather_for_metrics`,
+        # which trims what it takes for duplicated samples at the end of an epoch.)
         names = list(metrics)
-        gathered = self.accelerator.gather_for_metrics(torch.stack([metrics[n].float() for n in names])[None])
+        gathered = self.accelerator.gather(torch.stack([metrics[n].float() for n in names])[None])
         for name, column in zip(names, gathered.view(-1, len(names)).T.cpu(), strict=True):
             self._metrics[mode][name].extend(column.tolist())
 
