@@ -276,3 +276,12 @@ def test_qlora_gradients_match_the_dequantized_model(tmp_path):
         # TRL keeps QLoRA adapters in bf16 (~3 significant digits): a broken 4-bit backward gives errors near 1 or 0 grads
         error = (quantized[name].float() - reference[name]).norm() / reference[name].norm()
         assert quantized[name].abs().sum() > 0 and error < 5e-2, (name, error.item())
+
+
+def test_precompute_runs_in_the_training_precision(tiny_model_path, tmp_path):
+    # bf16 autocast in training: mu computed in fp32 would show a spurious log-ratio at step 0.
+    trainer = TOPRTrainer(tiny_model_path, args=make_args(tmp_path, max_steps=1, bf16=True),
+                          train_dataset=standard_dataset())
+    trainer.train()
+    assert abs(first_log(trainer, "log_ratio_min")) < 1e-3 and abs(first_log(trainer, "log_ratio_max")) < 1e-3
+    assert first_log(trainer, "negative_tapered_fraction") == 0.0

@@ -244,16 +244,19 @@ class TOPRTrainer(SFTTrainer):
         with (
             _inference_mode(self.model),
             disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
-            self.compute_loss_context_manager(),
+            # the mixed precision training will run in: the model is not wrapped by `accelerator.prepare` yet
+            self.accelerator.autocast(),
         ):
             for batch in loader:
                 per_token_logps, completion_mask, _ = self._completion_logps(self.model, batch)
-                per_token_logps = self.accelerator.pad_across_processes(per_token_logps, dim=1)
-                completion_mask = self.accelerator.pad_across_processes(completion_mask, dim=1)
-                per_token_logps, completion_mask = self.accelerator.gather_for_metrics(
-                    (per_token_logps.float(), completion_mask)
+                # Sequences differ in length across processes: pad before gathering (the mask as integers, since
+                # padding adds to zeros).
+                per_token_logps = self.accelerator.pad_across_processes(per_token_logps.float(), dim=1)
+                completion_mask = self.accelerator.pad_across_processes(completion_mask.long(), dim=1)
+                per_token_logps, completion_mask = self.accelerator.gather_for_metrics((per_token_logps, completion_mask))
+                values.extend(
+                    row[mask.bool()].tolist() for row, mask in zip(per_token_logps.cpu(), completion_mask.cpu())
                 )
-                values.extend(row[mask].tolist() for row, mask in zip(per_token_logps.cpu(), completion_mask.cpu()))
 
         if cache_file is None:
             return dataset.add_column(BEHAVIOR_LOGPS, values)
