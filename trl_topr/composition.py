@@ -35,6 +35,7 @@ def effective_positive_fraction(rewards: Sequence[float], baseline: float = 0.0)
     0.25
     >>> round(effective_positive_fraction([1, -1, -1, -1], baseline=-0.5), 4)  # p (1 - c) / (1 + c (1 - 2p))
     0.5
+
     ```
     """
     return _effective_positive_fraction(torch.as_tensor(rewards, dtype=torch.float64), baseline)
@@ -66,6 +67,7 @@ def baseline_for_positive_fraction(rewards: Sequence[float], target: float) -> f
     ```python
     >>> round(baseline_for_positive_fraction([1, -1, -1, -1], target=0.5), 6)  # p = 0.25: (p - t) / (p + t - 2pt)
     -0.5
+
     ```
     """
     if not 0.0 < target < 1.0:

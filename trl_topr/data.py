@@ -272,6 +272,7 @@ class DataCollatorForTOPR(DataCollatorForLanguageModeling):
     >>> collator(examples)["behavior_logps"]
     tensor([[ 0.0000, -0.5000, -0.2500],
             [ 0.0000, -2.0000,  0.0000]])
+
     ```
     """
 

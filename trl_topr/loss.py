@@ -194,8 +194,12 @@ def topr_loss(
     >>> logps = torch.tensor([[-1.0, -1.0], [-2.0, -2.0]], requires_grad=True)
     >>> mask = torch.ones(2, 2)
     >>> loss, metrics = topr_loss(logps, mask, torch.tensor([1.0, -1.0]), torch.tensor([-2.0, -3.0]))
-    >>> round(loss.item(), 4)  # (-(1)(-2)/2 + (exp(-1))(-1)(-4)/2 ... ) / 2
-    -0.3161
+    >>> # positive: -(1)(1)(-2)/2; negative, pi/mu = e^(-4 + 3): -(e^-1)(-1)(-4)/2; mean of the two
+    >>> round(loss.item(), 4)
+    0.1321
+    >>> round(metrics["negative_weight_mean"].item(), 4)  # e^-1
+    0.3679
+
     ```
     """
     if ratio_level not in RATIO_LEVELS:

@@ -82,8 +82,9 @@ class TOPRTrainer(SFTTrainer):
     ...         "reward": [1.0, -1.0],
     ...     }
     ... )
-    >>> trainer = TOPRTrainer(model="HuggingFaceTB/SmolLM2-135M-Instruct", train_dataset=dataset)
-    >>> trainer.train()
+    >>> trainer = TOPRTrainer(model="HuggingFaceTB/SmolLM2-135M-Instruct", train_dataset=dataset)  # doctest: +SKIP
+    >>> trainer.train()  # doctest: +SKIP
+
     ```
 
     Args:
