@@ -285,3 +285,15 @@ def test_precompute_runs_in_the_training_precision(tiny_model_path, tmp_path):
     trainer.train()
     assert abs(first_log(trainer, "log_ratio_min")) < 1e-3 and abs(first_log(trainer, "log_ratio_max")) < 1e-3
     assert first_log(trainer, "negative_tapered_fraction") == 0.0
+
+
+def test_plain_training_arguments_become_a_topr_config(tiny_model_path, tmp_path):
+    from transformers import TrainingArguments
+
+    from trl_topr import TOPRConfig
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1,
+                             per_device_train_batch_size=4, save_strategy="no")
+    trainer = TOPRTrainer(tiny_model_path, args=args, train_dataset=standard_dataset())
+    assert isinstance(trainer.args, TOPRConfig) and trainer.args.loss_type == "topr"
+    assert math.isfinite(trainer.train().training_loss)
