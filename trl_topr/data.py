@@ -131,6 +131,12 @@ def validate_and_standardize(dataset: Dataset, args, dataset_name: str = "train"
     if args.behavior_logps_column in columns:
         values = dataset[args.behavior_logps_column]
         per_token = isinstance(values[0], list)
+        if args.ratio_level == "token" and not per_token:
+            raise TOPRDataError(
+                f"{dataset_name} dataset, column '{args.behavior_logps_column}': `ratio_level='token'` needs per-token "
+                "behavior log-probs, but row 0 gives one float. Give a list per row, or drop the column to have them "
+                "computed."
+            )
         for row, value in enumerate(values):
             items = value if per_token and isinstance(value, list) else [value]
             if (per_token and not isinstance(value, list)) or not all(_is_number(v) for v in items):

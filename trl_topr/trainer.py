@@ -157,11 +157,6 @@ class TOPRTrainer(SFTTrainer):
             eval_dataset = {name: validate_and_standardize(ds, args, name) for name, ds in eval_dataset.items()}
         elif eval_dataset is not None:
             eval_dataset = validate_and_standardize(eval_dataset, args, "eval")
-        if args.ratio_level == "token" and not self._has_per_token_behavior(train_dataset):
-            raise ValueError(
-                "`ratio_level='token'` needs per-token behavior log-probs: the train dataset gives one float per row. "
-                "Give a list per row, or drop the column to have them computed."
-            )
 
         # The baseline is derived once, from the whole training set, identically on every process.
         if args.target_positive_fraction is not None:
@@ -194,10 +189,6 @@ class TOPRTrainer(SFTTrainer):
             }
         elif self.eval_dataset is not None:
             self.eval_dataset = self._maybe_precompute_behavior_logps(self.eval_dataset, "eval")
-
-    @staticmethod
-    def _has_per_token_behavior(dataset: Dataset) -> bool:
-        return BEHAVIOR_LOGPS not in dataset.column_names or isinstance(dataset[0][BEHAVIOR_LOGPS], list)
 
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
         if "input_ids" in dataset.column_names:  # already prepared
