@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from trl.trainer.utils import add_fused_lm_head
 
-from trl_topr import TOPRTrainer
+from trl_topr import TOPRDataError, TOPRTrainer
 
 
 def first_log(trainer, key):
@@ -297,3 +297,15 @@ def test_plain_training_arguments_become_a_topr_config(tiny_model_path, tmp_path
     trainer = TOPRTrainer(tiny_model_path, args=args, train_dataset=standard_dataset())
     assert isinstance(trainer.args, TOPRConfig) and trainer.args.loss_type == "topr"
     assert math.isfinite(trainer.train().training_loss)
+
+
+def test_evaluate_prepares_a_new_raw_dataset(tiny_model_path, tmp_path):
+    trainer = TOPRTrainer(tiny_model_path, args=make_args(tmp_path, max_steps=2), train_dataset=standard_dataset())
+    trainer.train()
+    raw = conversational_dataset(4).rename_column("reward", "score")
+    trainer.args.reward_column = "score"
+    metrics = trainer.evaluate(raw)
+    assert math.isfinite(metrics["eval_loss"])
+    assert metrics["eval_log_ratio_mean"] == pytest.approx(0.0, abs=1e-5)  # mu = the current model
+    with pytest.raises(TOPRDataError, match="column 'score', row 0"):
+        trainer.evaluate(raw.remove_columns("score").add_column("score", [math.nan] * 4))

@@ -200,6 +200,34 @@ class TOPRTrainer(SFTTrainer):
         dataset = check_and_truncate_tokens(dataset, args.max_length, dataset_name)
         return dataset.shuffle(seed=args.seed) if args.shuffle_dataset else dataset
 
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """
+        Evaluate the TOPR loss and metrics on `eval_dataset` (by default the one given at construction).
+
+        A dataset passed here goes through the same checks and preparation as at construction; if it has no
+        `behavior_logps`, they are computed with the model as it is now, so its ratios start at 1.
+
+        Args:
+            eval_dataset ([`~datasets.Dataset`] or `dict[str, Dataset]`, *optional*):
+                Dataset(s) with the columns of the training set.
+            ignore_keys (`list[str]`, *optional*):
+                Ignored (the trainer produces no model outputs to filter).
+            metric_key_prefix (`str`, *optional*, defaults to `"eval"`):
+                Prefix of the returned metric names.
+
+        Returns:
+            `dict[str, float]`: the evaluation loss and metrics.
+        """
+        datasets = eval_dataset if isinstance(eval_dataset, dict) else {metric_key_prefix: eval_dataset}
+        for name, dataset in datasets.items():
+            if isinstance(dataset, Dataset) and "input_ids" not in dataset.column_names:  # not prepared yet
+                dataset = validate_and_standardize(dataset, self.args, name)
+                dataset = self._prepare_dataset(dataset, self.processing_class, self.args, False, None, name)
+                datasets[name] = self._maybe_precompute_behavior_logps(dataset, name)
+        if eval_dataset is not None and not isinstance(eval_dataset, (dict, str)):
+            eval_dataset = datasets[metric_key_prefix]
+        return super().evaluate(eval_dataset=eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:
             self._signature_columns = ["input_ids", "labels", REWARD, BEHAVIOR_LOGPS]
@@ -224,8 +252,8 @@ class TOPRTrainer(SFTTrainer):
 
         logger.warning(
             f"The {name} dataset has no '{self.args.behavior_logps_column}' column: computing the behavior "
-            "log-probs with the initial policy (mu = the model as passed, before any update). Give them in the "
-            "dataset when the completions were sampled by another model."
+            "log-probs with the model as it is now (during construction, the initial policy: mu = the model as "
+            "passed, before any update). Give them in the dataset when the completions were sampled by another model."
         )
         batch_size = self.args.precompute_behavior_batch_size or self.args.per_device_eval_batch_size
         collator = DataCollatorForLanguageModeling(pad_token_id=self._tokenizer.pad_token_id)
