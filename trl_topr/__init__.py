@@ -6,6 +6,7 @@ from .composition import baseline_for_positive_fraction, effective_positive_frac
 from .config import TOPRConfig
 from .data import DataCollatorForTOPR, TOPRDataError
 from .loss import topr_loss, topr_weights
+from .sampling import generate_completions, sample_completions, score_completions
 from .trainer import TOPRTrainer
 
 
@@ -16,6 +17,9 @@ __all__ = [
     "TOPRTrainer",
     "baseline_for_positive_fraction",
     "effective_positive_fraction",
+    "generate_completions",
+    "sample_completions",
+    "score_completions",
     "topr_loss",
     "topr_weights",
 ]

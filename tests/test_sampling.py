@@ -1,0 +1,137 @@
+"""Sampling a scored TOPR dataset with behavior log-probs, and the reward-function plumbing."""
+
+import math
+
+import pytest
+import torch
+from conftest import make_args
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trl_topr import TOPRTrainer
+from trl_topr.sampling import sample_completions, score_completions
+
+
+def has_digit(prompts, completions, **kwargs):
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [1.0 if any(ch.isdigit() for ch in t) else -1.0 for t in texts]
+
+
+def length_bonus(prompts, completions, **kwargs):
+    return [0.01 * len(c[-1]["content"] if isinstance(c, list) else c) for c in completions]
+
+
+def prompts(conversational: bool, n: int = 3) -> Dataset:
+    questions = [f"What is {i} + 3?" for i in range(n)]
+    rows = [[{"role": "user", "content": q}] for q in questions] if conversational else questions
+    return Dataset.from_dict({"prompt": rows, "answer": [str(i + 3) for i in range(n)]})
+
+
+@pytest.fixture
+def model_and_tokenizer(tiny_model_path):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path), AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.mark.parametrize("conversational", [False, True])
+def test_sampled_dataset_follows_the_data_contract(model_and_tokenizer, tmp_path, conversational):
+    model, tokenizer = model_and_tokenizer
+    data = sample_completions(model, prompts(conversational), [has_digit, length_bonus], processing_class=tokenizer,
+                              reward_weights=[1.0, 0.5], num_samples=4, max_new_tokens=12,
+                              args=make_args(tmp_path), progress=False)
+    assert len(data) == 12
+    assert {"prompt", "completion", "reward", "behavior_logps", "has_digit", "length_bonus", "answer"} <= set(
+        data.column_names)
+    assert list(data["answer"]) == ["3"] * 4 + ["4"] * 4 + ["5"] * 4  # prompt columns follow their samples
+    for row in data:
+        assert row["reward"] == pytest.approx(row["has_digit"] + 0.5 * row["length_bonus"])
+        assert all(v <= 0 and math.isfinite(v) for v in row["behavior_logps"])
+        assert isinstance(row["completion"], list) == conversational
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_training_on_the_samples_starts_with_every_ratio_at_one(model_and_tokenizer, tmp_path, bf16):
+    model, tokenizer = model_and_tokenizer
+    args = make_args(tmp_path, bf16=bf16, max_steps=1, per_device_train_batch_size=24, learning_rate=0.0)
+    data = sample_completions(model, prompts(True, 6), has_digit, processing_class=tokenizer, num_samples=4,
+                              max_new_tokens=16, args=args, progress=False)
+    trainer = TOPRTrainer(model, args=args, train_dataset=data, processing_class=tokenizer)
+    trainer.train()  # one step over all 24 rows
+    log = trainer.state.log_history[0]
+    assert abs(log["log_ratio_min"]) < 1e-3 and abs(log["log_ratio_max"]) < 1e-3
+
+
+def test_same_seed_same_samples_and_greedy_is_deterministic(model_and_tokenizer, tmp_path):
+    model, tokenizer = model_and_tokenizer
+    kwargs = dict(processing_class=tokenizer, num_samples=3, max_new_tokens=10, args=make_args(tmp_path),
+                  progress=False)
+    first = sample_completions(model, prompts(False), has_digit, seed=1, **kwargs)
+    again = sample_completions(model, prompts(False), has_digit, seed=1, **kwargs)
+    other = sample_completions(model, prompts(False), has_digit, seed=2, **kwargs)
+    assert list(first["completion"]) == list(again["completion"])
+    assert list(first["completion"]) != list(other["completion"])
+    greedy = sample_completions(model, prompts(False), has_digit, temperature=0, seed=3, **kwargs)
+    completions = list(greedy["completion"])
+    assert completions[0] == completions[1] == completions[2]
+
+
+def test_model_given_as_a_path(tiny_model_path, tmp_path):
+    data = sample_completions(tiny_model_path, prompts(False, 2), has_digit, num_samples=2, max_new_tokens=6,
+                              args=make_args(tmp_path), progress=False)
+    assert len(data) == 4 and len(data["behavior_logps"]) == 4
+
+
+def test_score_completions_combines_ignores_none_and_names_columns():
+    def maybe(prompts, completions, **kwargs):
+        return [None, 2.0]
+
+    rewards, per_func = score_completions(["p", "q"], ["a", "b"], {"correct": has_digit, "extra": maybe},
+                                          reward_weights=[1.0, 0.5])
+    assert rewards == [-1.0, -1.0 + 1.0]
+    assert math.isnan(per_func["extra"][0]) and per_func["correct"] == [-1.0, -1.0]
+
+
+def test_score_completions_passes_columns_like_grpo():
+    seen = {}
+
+    def spy(prompts, completions, completion_ids=None, answer=None, **kwargs):
+        seen.update(prompts=prompts, completions=completions, completion_ids=completion_ids, answer=answer)
+        return [0.0] * len(completions)
+
+    score_completions(["p"], ["c"], spy, completion_ids=[[1, 2]], answer=["4"])
+    assert seen == {"prompts": ["p"], "completions": ["c"], "completion_ids": [[1, 2]], "answer": ["4"]}
+
+
+@pytest.mark.parametrize(
+    "func, message",
+    [
+        (lambda prompts, completions, **kw: [1.0], "returned 1 values for 2 completions"),
+        (lambda prompts, completions, **kw: None, "returned None"),
+        (lambda prompts, completions, **kw: [None, None], "Every reward function returned None for completion 0"),
+        (lambda prompts, completions, **kw: 1 / 0, "raised ZeroDivisionError"),
+    ],
+)
+def test_bad_reward_functions_raise_clearly(func, message):
+    with pytest.raises((ValueError, RuntimeError), match=message):
+        score_completions(["p", "q"], ["a", "b"], func)
+
+
+def test_reward_weight_count_must_match():
+    with pytest.raises(ValueError, match="2 reward weights for 1 reward functions"):
+        score_completions(["p"], ["a"], has_digit, reward_weights=[1.0, 1.0])
+
+
+def test_prompt_column_is_required(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    with pytest.raises(ValueError, match="'prompt' column"):
+        sample_completions(model, Dataset.from_dict({"question": ["hi"]}), has_digit, processing_class=tokenizer)
+
+
+def test_sampling_leaves_the_model_usable_for_training(model_and_tokenizer, tmp_path):
+    model, tokenizer = model_and_tokenizer
+    data = sample_completions(model, prompts(False), has_digit, processing_class=tokenizer, num_samples=2,
+                              max_new_tokens=8, args=make_args(tmp_path), progress=False)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = TOPRTrainer(model, args=make_args(tmp_path / "train", max_steps=2), train_dataset=data,
+                          processing_class=tokenizer)
+    trainer.train()
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())

@@ -1,0 +1,305 @@
+"""Sampling: turn prompts into a scored TOPR dataset with behavior log-probs, using the model being trained.
+
+[`sample_completions`] generates `num_samples` completions per prompt, scores them with TRL GRPO-style reward
+functions, and computes `behavior_logps` exactly as [`TOPRTrainer`] will compute log pi for the same model and row
+(same tokenization, same completion tokens, temperature-1 softmax, same mixed precision): training on the result with
+that model starts with every importance ratio at 1.
+
+About mu: the completions are *drawn* from the sampling distribution (temperature, top-p, top-k), but `behavior_logps`
+is the log-probability of the completion under the model's plain softmax, the distribution TOPR's ratio pi/mu
+compares pi with. With temperature 1 and no top-p/top-k truncation the two coincide; otherwise the ratio corrects
+towards the model's own distribution, not the tempered or truncated one.
+"""
+
+import dataclasses
+import math
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+from accelerate.logging import get_logger
+from datasets import Dataset
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, set_seed
+from trl.data_utils import _tokenize, is_conversational
+from trl.trainer.utils import create_model_from_path
+
+from .config import TOPRConfig
+from .data import BEHAVIOR_LOGPS, COMPLETION, PROMPT, REWARD
+
+
+logger = get_logger(__name__)
+
+RewardFuncs = Callable | list[Callable] | dict[str, Callable]
+
+
+def _named_reward_funcs(reward_funcs: RewardFuncs) -> dict[str, Callable]:
+    if callable(reward_funcs):
+        reward_funcs = [reward_funcs]
+    if isinstance(reward_funcs, dict):
+        return dict(reward_funcs)
+    named = {}
+    for func in reward_funcs:
+        name = getattr(func, "__name__", type(func).__name__)
+        if name in named:
+            raise ValueError(f"Two reward functions are named {name!r}: pass a dict to name their columns.")
+        named[name] = func
+    return named
+
+
+def score_completions(
+    prompts: list,
+    completions: list,
+    reward_funcs: RewardFuncs,
+    reward_weights: list[float] | None = None,
+    completion_ids: list[list[int]] | None = None,
+    **columns: list,
+) -> tuple[list[float], dict[str, list[float]]]:
+    """
+    Score completions with reward functions of TRL's GRPO signature, `fn(prompts, completions, **columns)`.
+
+    Args:
+        prompts (`list`):
+            One prompt per completion (text or messages).
+        completions (`list`):
+            Completions (text, or lists of messages for conversational prompts).
+        reward_funcs (`Callable`, `list[Callable]` or `dict[str, Callable]`):
+            Reward functions; a dict names their columns, otherwise each function's `__name__` does.
+        reward_weights (`list[float]`, *optional*):
+            Weight of each function in the combined reward. Defaults to 1 each. A weight of 0 keeps a function as
+            a column only (e.g. an `invalid` flag).
+        completion_ids (`list[list[int]]`, *optional*):
+            Generated token ids, passed on as GRPO does.
+        **columns:
+            Other dataset columns, one value per completion, passed to every function.
+
+    Returns:
+        `tuple[list[float], dict[str, list[float]]]`: the combined rewards (weighted sum, ignoring `None` as GRPO
+        does) and each function's values (`nan` for `None`).
+
+    Example:
+    ```python
+    >>> def has_digit(prompts, completions, **kwargs):
+    ...     return [1.0 if any(c.isdigit() for c in text) else -1.0 for text in completions]
+    >>> score_completions(["2+2?", "2+2?"], ["4", "four"], has_digit)
+    ([1.0, -1.0], {'has_digit': [1.0, -1.0]})
+
+    ```
+    """
+    funcs = _named_reward_funcs(reward_funcs)
+    weights = [1.0] * len(funcs) if reward_weights is None else list(reward_weights)
+    if len(weights) != len(funcs):
+        raise ValueError(f"{len(weights)} reward weights for {len(funcs)} reward functions.")
+    per_func = {}
+    for name, func in funcs.items():
+        try:
+            values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        except Exception as error:
+            raise RuntimeError(f"Reward function {name!r} raised {type(error).__name__}: {error}") from error
+        if values is None or len(values) != len(completions):
+            got = "None" if values is None else f"{len(values)} values"
+            raise ValueError(f"Reward function {name!r} returned {got} for {len(completions)} completions.")
+        per_func[name] = [math.nan if v is None else float(v) for v in values]
+    rewards = []
+    for row in range(len(completions)):
+        terms = [w * per_func[name][row] for name, w in zip(funcs, weights) if not math.isnan(per_func[name][row])]
+        if not terms:
+            raise ValueError(f"Every reward function returned None for completion {row}: {completions[row]!r}.")
+        rewards.append(sum(terms))
+    return rewards, per_func
+
+
+@torch.no_grad()
+def generate_completions(
+    model: PreTrainedModel,
+    processing_class: PreTrainedTokenizerBase,
+    prompts: list,
+    *,
+    num_samples: int = 1,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    max_new_tokens: int = 256,
+    batch_size: int = 16,
+    progress: bool = True,
+) -> tuple[list, list[list[int]], float]:
+    """
+    Generate `num_samples` completions per prompt with `model.generate`, batched with left padding.
+
+    Prompts are tokenized as [`TOPRTrainer`] tokenizes them (the chat template with a generation prompt for messages),
+    so the model samples in the context it is trained in. `temperature=0` decodes greedily.
+
+    Args:
+        model ([`~transformers.PreTrainedModel`]):
+            Causal LM.
+        processing_class ([`~transformers.PreTrainedTokenizerBase`]):
+            Its tokenizer.
+        prompts (`list`):
+            Prompts, text or lists of messages.
+        num_samples (`int`, *optional*, defaults to `1`):
+            Completions per prompt.
+        temperature (`float`, *optional*, defaults to `1.0`):
+            Sampling temperature; 0 for greedy decoding.
+        top_p (`float`, *optional*, defaults to `1.0`):
+            Nucleus sampling threshold (1 disables it).
+        top_k (`int`, *optional*, defaults to `0`):
+            Top-k sampling (0 disables it; transformers' own default is 50).
+        max_new_tokens (`int`, *optional*, defaults to `256`):
+            Maximum completion length.
+        batch_size (`int`, *optional*, defaults to `16`):
+            Prompts per `generate` call (each yields `num_samples` sequences).
+        progress (`bool`, *optional*, defaults to `True`):
+            Show a progress bar over prompts, with the throughput.
+
+    Returns:
+        `tuple[list, list[list[int]], float]`: the completions (prompt-major: the samples of prompt 0 first; messages
+        for conversational prompts), their token ids without padding, and the generation throughput in tokens/s.
+    """
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    eos_ids = model.generation_config.eos_token_id
+    eos_ids = set(eos_ids if isinstance(eos_ids, list) else [eos_ids]) | {tokenizer.eos_token_id}
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    greedy = temperature == 0
+    completions, completion_ids, generated, start = [], [], 0, time.perf_counter()
+    was_training = model.training
+    model.eval()
+    bar = tqdm(total=len(prompts), desc="Sampling", unit="prompt", disable=not progress)
+    for first in range(0, len(prompts), batch_size):
+        batch = prompts[first : first + batch_size]
+        encoded = [
+            _tokenize(processing_class, p, add_generation_prompt=True) if isinstance(p, list)
+            else _tokenize(processing_class, p)
+            for p in batch
+        ]
+        inputs = tokenizer.pad(
+            {"input_ids": [e["input_ids"] for e in encoded]}, padding_side="left", return_tensors="pt"
+        ).to(model.device)
+        outputs = model.generate(
+            **inputs,
+            do_sample=not greedy,
+            temperature=None if greedy else temperature,
+            top_p=None if greedy else top_p,
+            top_k=None if greedy else top_k,
+            max_new_tokens=max_new_tokens,
+            num_return_sequences=1 if greedy else num_samples,
+            pad_token_id=pad_id,
+        )
+        sequences = outputs[:, inputs["input_ids"].size(1) :].tolist()
+        if greedy:  # every sample of a prompt is the same greedy completion
+            sequences = [ids for ids in sequences for _ in range(num_samples)]
+        for prompt_index, ids in enumerate(sequences):
+            end = next((i + 1 for i, token in enumerate(ids) if token in eos_ids), len(ids))
+            ids = ids[:end]
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            prompt = batch[prompt_index // num_samples]
+            completions.append([{"role": "assistant", "content": text}] if isinstance(prompt, list) else text)
+            completion_ids.append(ids)
+            generated += len(ids)
+        bar.update(len(batch))
+        bar.set_postfix(tokens_per_s=f"{generated / (time.perf_counter() - start):.0f}")
+    bar.close()
+    model.train(was_training)
+    return completions, completion_ids, generated / max(time.perf_counter() - start, 1e-9)
+
+
+def sample_completions(
+    model: str | PreTrainedModel,
+    dataset: Dataset,
+    reward_funcs: RewardFuncs,
+    *,
+    processing_class: PreTrainedTokenizerBase | None = None,
+    reward_weights: list[float] | None = None,
+    num_samples: int = 4,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    max_new_tokens: int = 256,
+    seed: int = 0,
+    batch_size: int = 16,
+    args: TOPRConfig | None = None,
+    progress: bool = True,
+) -> Dataset:
+    """
+    Sample a TOPR dataset: completions of the prompts by `model`, their rewards, and their behavior log-probs.
+
+    Args:
+        model (`str` or [`~transformers.PreTrainedModel`]):
+            The sampling (behavior) model, or its id/path (loaded the TRL way with `args.model_init_kwargs`).
+        dataset ([`~datasets.Dataset`]):
+            Prompts in a `prompt` column (text or messages); other columns are passed to the reward functions and
+            copied to every sample of their prompt.
+        reward_funcs (`Callable`, `list[Callable]` or `dict[str, Callable]`):
+            Reward functions with TRL GRPO's signature `fn(prompts, completions, **columns) -> list[float | None]`;
+            any function written for `GRPOTrainer` works. Each gets a column of its own.
+        processing_class ([`~transformers.PreTrainedTokenizerBase`], *optional*):
+            Tokenizer; loaded from the model's name if `None`.
+        reward_weights (`list[float]`, *optional*):
+            Weights of the functions in the combined `reward` column (default 1 each).
+        num_samples (`int`, *optional*, defaults to `4`):
+            Completions per prompt (the paper: 16 for GSM8K).
+        temperature (`float`, *optional*, defaults to `1.0`):
+            Sampling temperature (the paper: 1).
+        top_p (`float`, *optional*, defaults to `1.0`):
+            Nucleus sampling threshold.
+        top_k (`int`, *optional*, defaults to `0`):
+            Top-k sampling, 0 to disable (the paper: 500).
+        max_new_tokens (`int`, *optional*, defaults to `256`):
+            Maximum completion length (the paper: 512).
+        seed (`int`, *optional*, defaults to `0`):
+            Seed of the sampling.
+        batch_size (`int`, *optional*, defaults to `16`):
+            Prompts per generation batch, and batch size of the behavior log-prob computation.
+        args ([`TOPRConfig`], *optional*):
+            The configuration the dataset will be trained with: its `max_length`, mixed precision and
+            `model_init_kwargs` set how the behavior log-probs are computed. Defaults to a default [`TOPRConfig`].
+            The returned columns always have the canonical names.
+        progress (`bool`, *optional*, defaults to `True`):
+            Show a progress bar over prompts.
+
+    Returns:
+        [`~datasets.Dataset`]: one row per completion with `prompt`, `completion`, `reward`, `behavior_logps` (one
+        value per completion token), one column per reward function, and the prompt's other columns — the
+        [`TOPRTrainer`] data contract.
+    """
+    from .trainer import TOPRTrainer  # the trainer computes the behavior log-probs exactly as it will train
+
+    if PROMPT not in dataset.column_names:
+        raise ValueError(f"The prompts dataset needs a '{PROMPT}' column (found {dataset.column_names}).")
+    with tempfile.TemporaryDirectory() as scratch:
+        if args is None:
+            args = TOPRConfig(output_dir=scratch, use_cpu=not torch.cuda.is_available(), report_to="none")
+        args = dataclasses.replace(
+            args, output_dir=scratch, report_to="none", gradient_checkpointing=False, shuffle_dataset=False,
+            precompute_behavior_batch_size=batch_size, push_to_hub=False, prompt_column=PROMPT,
+            completion_column=COMPLETION, reward_column=REWARD, behavior_logps_column=BEHAVIOR_LOGPS,
+        )  # fmt: skip
+        if isinstance(model, str):
+            model = create_model_from_path(model, **(args.model_init_kwargs or {}))
+        if processing_class is None:
+            processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
+
+        set_seed(seed)
+        prompts = list(dataset[PROMPT])
+        completions, completion_ids, tokens_per_s = generate_completions(
+            model, processing_class, prompts, num_samples=num_samples, temperature=temperature, top_p=top_p,
+            top_k=top_k, max_new_tokens=max_new_tokens, batch_size=batch_size, progress=progress,
+        )  # fmt: skip
+        logger.info(f"Sampled {len(completions)} completions at {tokens_per_s:.1f} tokens/s.")
+        rows = [i for i in range(len(dataset)) for _ in range(num_samples)]
+        samples = dataset.select(rows)
+        others = {c: list(samples[c]) for c in samples.column_names if c not in (PROMPT, COMPLETION, REWARD)}
+        rewards, per_func = score_completions(
+            list(samples[PROMPT]), completions, reward_funcs, reward_weights, completion_ids, **others
+        )
+        samples = samples.remove_columns([c for c in (COMPLETION, REWARD, BEHAVIOR_LOGPS) if c in samples.column_names])
+        samples = samples.add_column(COMPLETION, completions).add_column(REWARD, rewards)
+        for name, values in per_func.items():
+            samples = samples.remove_columns(name) if name in samples.column_names else samples
+            samples = samples.add_column(name, values)
+
+        was_training = model.training
+        scorer = TOPRTrainer(model, args=args, train_dataset=samples, processing_class=processing_class)
+        behavior = list(scorer.train_dataset[BEHAVIOR_LOGPS])
+        model.train(was_training)
+    return samples.add_column(BEHAVIOR_LOGPS, behavior)
