@@ -5,6 +5,8 @@ __version__ = "0.1.0"
 from .composition import baseline_for_positive_fraction, effective_positive_fraction
 from .config import TOPRConfig
 from .data import DataCollatorForTOPR, TOPRDataError
+from .evaluation import evaluate_policy
+from .loop import read_rounds, run_topr_loop
 from .loss import topr_loss, topr_weights
 from .sampling import generate_completions, sample_completions, score_completions
 from .trainer import TOPRTrainer
@@ -17,7 +19,10 @@ __all__ = [
     "TOPRTrainer",
     "baseline_for_positive_fraction",
     "effective_positive_fraction",
+    "evaluate_policy",
     "generate_completions",
+    "read_rounds",
+    "run_topr_loop",
     "sample_completions",
     "score_completions",
     "topr_loss",

@@ -1,0 +1,101 @@
+"""Evaluation of a policy on held-out prompts: pass@1 (greedy and sampled), maj@k and invalid rate."""
+
+from collections import Counter
+from collections.abc import Callable
+
+from datasets import Dataset
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, set_seed
+
+from .data import PROMPT
+from .sampling import generate_completions, score_completions
+
+
+def _text(completion) -> str:
+    return completion[-1]["content"] if isinstance(completion, list) else completion
+
+
+def evaluate_policy(
+    model: PreTrainedModel,
+    processing_class: PreTrainedTokenizerBase,
+    dataset: Dataset,
+    correct_func: Callable,
+    answer_func: Callable[[str], str | None],
+    *,
+    num_samples: int = 4,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    max_new_tokens: int = 256,
+    batch_size: int = 16,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict[str, float]:
+    """
+    Accuracy and validity of a policy's answers, as the TOPR paper reports them.
+
+    Args:
+        model ([`~transformers.PreTrainedModel`]):
+            Policy to evaluate.
+        processing_class ([`~transformers.PreTrainedTokenizerBase`]):
+            Its tokenizer.
+        dataset ([`~datasets.Dataset`]):
+            Held-out prompts (`prompt` column) and the columns `correct_func` needs (e.g. `answer`).
+        correct_func (`Callable`):
+            Reward function with TRL GRPO's signature; a completion is correct when its value is > 0 (e.g.
+            [`~trl_topr.rewards.gsm8k_reward`]).
+        answer_func (`Callable[[str], str | None]`):
+            Final answer of a completion text, `None` when it has none (an invalid output); used for maj@k and the
+            invalid rate (e.g. [`~trl_topr.rewards.extract_final_answer`]).
+        num_samples (`int`, *optional*, defaults to `4`):
+            k: sampled completions per prompt for the sampled pass@1 and maj@k.
+        temperature, top_p, top_k, max_new_tokens, batch_size:
+            Sampling settings, see [`generate_completions`].
+        seed (`int`, *optional*, defaults to `0`):
+            Seed of the sampling.
+        progress (`bool`, *optional*, defaults to `True`):
+            Show progress bars.
+
+    Returns:
+        `dict[str, float]`: `pass@1_greedy` (greedy accuracy), `pass@1` (mean accuracy of the samples),
+        `maj@k` (accuracy of the most frequent valid answer among the k samples), `invalid_rate` (share of samples
+        without a final answer) and `invalid_rate_greedy`.
+    """
+    prompts = list(dataset[PROMPT])
+    columns = {c: list(dataset[c]) for c in dataset.column_names if c != PROMPT}
+
+    def correctness(completions, repeats):
+        repeated = {c: [v for v in values for _ in range(repeats)] for c, values in columns.items()}
+        prompt_list = [p for p in prompts for _ in range(repeats)]
+        _, per_func = score_completions(prompt_list, completions, {"correct": correct_func}, **repeated)
+        return [value > 0 for value in per_func["correct"]]
+
+    settings = dict(max_new_tokens=max_new_tokens, batch_size=batch_size, progress=progress)
+    greedy, _, _ = generate_completions(model, processing_class, prompts, temperature=0, **settings)
+    set_seed(seed)
+    sampled, _, _ = generate_completions(
+        model, processing_class, prompts, num_samples=num_samples, temperature=temperature, top_p=top_p, top_k=top_k,
+        **settings,
+    )  # fmt: skip
+    greedy_correct, sampled_correct = correctness(greedy, 1), correctness(sampled, num_samples)
+    sampled_answers = [answer_func(_text(c)) for c in sampled]
+
+    majority_correct = []
+    for i in range(len(prompts)):
+        group = range(i * num_samples, (i + 1) * num_samples)
+        votes = Counter(sampled_answers[j] for j in group if sampled_answers[j] is not None)
+        if not votes:
+            majority_correct.append(False)
+            continue
+        winner = votes.most_common(1)[0][0]
+        majority_correct.append(next(sampled_correct[j] for j in group if sampled_answers[j] == winner))
+
+    def mean(values):
+        return sum(values) / len(values) if values else 0.0
+
+    return {
+        "pass@1_greedy": mean(greedy_correct),
+        "pass@1": mean(sampled_correct),
+        f"maj@{num_samples}": mean(majority_correct),
+        "invalid_rate": mean([answer is None for answer in sampled_answers]),
+        "invalid_rate_greedy": mean([answer_func(_text(c)) is None for c in greedy]),
+    }

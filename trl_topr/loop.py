@@ -1,0 +1,189 @@
+"""The paper's iterative TOPR: sample with the current model, score, curate, train one epoch, evaluate, save, repeat."""
+
+import dataclasses
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate.logging import get_logger
+from datasets import Dataset
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from trl.trainer.utils import create_model_from_path
+
+from .composition import effective_positive_fraction
+from .config import TOPRConfig
+from .data import REWARD
+from .evaluation import evaluate_policy
+from .sampling import RewardFuncs, sample_completions
+from .trainer import TOPRTrainer
+
+
+logger = get_logger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+PLOTTED = ("reward", "pass@1", "invalid_rate", "effective_positive_fraction")
+
+
+def read_rounds(output_dir: str) -> list[dict[str, Any]]:
+    """
+    Per-round metrics written by [`run_topr_loop`] so far (round 0 evaluates the initial model).
+
+    Args:
+        output_dir (`str`):
+            The loop's output folder.
+
+    Returns:
+        `list[dict[str, Any]]`: one dict per completed round, in order.
+    """
+    path = Path(output_dir) / METRICS_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_rounds(rounds: list[dict[str, Any]], path: str) -> None:
+    """
+    Plot the reward, pass@1, invalid rate and effective positive fraction per round to a PNG file.
+
+    Args:
+        rounds (`list[dict[str, Any]]`):
+            Per-round metrics, as returned by [`read_rounds`].
+        path (`str`):
+            PNG file to write.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(PLOTTED), figsize=(4 * len(PLOTTED), 3.2))
+    for axis, name in zip(axes, PLOTTED, strict=True):
+        points = [(r["round"], r[name]) for r in rounds if r.get(name) is not None]
+        axis.plot([x for x, _ in points], [y for _, y in points], marker="o")
+        axis.set_title(name)
+        axis.set_xlabel("round")
+        axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def run_topr_loop(
+    model: str,
+    train_prompts: Dataset,
+    reward_funcs: RewardFuncs,
+    args: TOPRConfig,
+    *,
+    num_rounds: int = 1,
+    reward_weights: list[float] | None = None,
+    eval_prompts: Dataset | None = None,
+    correct_func: Callable | None = None,
+    answer_func: Callable[[str], str | None] | None = None,
+    curate: Callable[[Dataset], Dataset] | None = None,
+    processing_class: PreTrainedTokenizerBase | None = None,
+    sampling_kwargs: dict[str, Any] | None = None,
+    eval_kwargs: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """
+    Iterative TOPR, as in the paper: each round samples with the current model (mu = that model), scores, curates,
+    trains one epoch of TOPR on the result, evaluates and saves.
+
+    Everything goes to `args.output_dir`: `round-<r>/` holds the model after round r and its sampled dataset
+    (`samples.jsonl`), `metrics.jsonl` one line per completed round (round 0 evaluates the initial model) and
+    `metrics.png` their plot. A round counts as completed once its line is written: started again, the loop resumes
+    after the last completed round, redoing an interrupted one from its start.
+
+    Args:
+        model (`str`):
+            Id or path of the initial model.
+        train_prompts ([`~datasets.Dataset`]):
+            Prompts to sample from each round (`prompt` column plus what the reward functions read).
+        reward_funcs (`Callable`, `list[Callable]` or `dict[str, Callable]`):
+            Reward functions with TRL GRPO's signature, see [`sample_completions`].
+        args ([`TOPRConfig`]):
+            Training configuration of every round; `output_dir` is the loop's folder and each round trains one
+            epoch.
+        num_rounds (`int`, *optional*, defaults to `1`):
+            Total number of rounds.
+        reward_weights (`list[float]`, *optional*):
+            Weights of the reward functions.
+        eval_prompts ([`~datasets.Dataset`], *optional*):
+            Held-out prompts evaluated after every round with [`evaluate_policy`] (needs `correct_func` and
+            `answer_func`).
+        correct_func (`Callable`, *optional*):
+            Reward function whose value > 0 means correct, for the evaluation.
+        answer_func (`Callable[[str], str | None]`, *optional*):
+            Final-answer extractor, for maj@k and the invalid rate.
+        curate (`Callable[[Dataset], Dataset]`, *optional*):
+            Transformation of each round's samples before training (e.g. [`~trl_topr.curation.anna_karenina`]).
+        processing_class ([`~transformers.PreTrainedTokenizerBase`], *optional*):
+            Tokenizer; loaded from `model` if `None`.
+        sampling_kwargs (`dict[str, Any]`, *optional*):
+            Keyword arguments of [`sample_completions`] (`num_samples`, `temperature`, `top_k`, `max_new_tokens`...).
+        eval_kwargs (`dict[str, Any]`, *optional*):
+            Keyword arguments of [`evaluate_policy`].
+
+    Returns:
+        `list[dict[str, Any]]`: the metrics of every completed round, round 0 included.
+    """
+    if eval_prompts is not None and (correct_func is None or answer_func is None):
+        raise ValueError("Evaluating `eval_prompts` needs `correct_func` and `answer_func`.")
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    processing_class = processing_class or AutoTokenizer.from_pretrained(model)
+    sampling_kwargs, eval_kwargs = dict(sampling_kwargs or {}), dict(eval_kwargs or {})
+    model_init_kwargs = args.model_init_kwargs or {}
+
+    def evaluate(policy) -> dict[str, float]:
+        if eval_prompts is None:
+            return {}
+        return evaluate_policy(policy, processing_class, eval_prompts, correct_func, answer_func, **eval_kwargs)
+
+    def record(metrics: dict[str, Any]) -> None:
+        with open(output_dir / METRICS_FILE, "a") as f:  # the line marks the round as completed
+            f.write(json.dumps(metrics) + "\n")
+        plot_rounds(read_rounds(str(output_dir)), str(output_dir / "metrics.png"))
+        logger.info(f"Round {metrics['round']}: {metrics}")
+
+    rounds = read_rounds(str(output_dir))
+    if not rounds:
+        record({"round": 0, **evaluate(create_model_from_path(model, **model_init_kwargs))})
+        rounds = read_rounds(str(output_dir))
+    for round_index in range(rounds[-1]["round"] + 1, num_rounds + 1):
+        round_dir = output_dir / f"round-{round_index}"
+        shutil.rmtree(round_dir, ignore_errors=True)  # an interrupted attempt is redone from its start
+        previous = model if round_index == 1 else str(output_dir / f"round-{round_index - 1}")
+        policy = create_model_from_path(previous, **model_init_kwargs)
+
+        samples = sample_completions(
+            policy, train_prompts, reward_funcs, processing_class=processing_class, reward_weights=reward_weights,
+            seed=args.seed + round_index, args=args, **sampling_kwargs,
+        )  # fmt: skip
+        round_dir.mkdir(parents=True)
+        samples.to_json(str(round_dir / "samples.jsonl"))
+        train_data = curate(samples) if curate is not None else samples
+        round_args = dataclasses.replace(args, output_dir=str(round_dir), num_train_epochs=1, max_steps=-1)
+        trainer = TOPRTrainer(policy, args=round_args, train_dataset=train_data, processing_class=processing_class)
+        train_loss = trainer.train().training_loss
+        trainer.save_model(str(round_dir))
+        rewards = list(samples[REWARD])
+        record(
+            {
+                "round": round_index,
+                "reward": sum(rewards) / len(rewards),
+                "positive_fraction": sum(r >= 0 for r in rewards) / len(rewards),
+                "effective_positive_fraction": effective_positive_fraction(train_data[REWARD], trainer.baseline),
+                "num_samples": len(samples),
+                "num_train_rows": len(train_data),
+                "train_loss": train_loss,
+                **evaluate(trainer.model),
+            }
+        )
+        del trainer, policy
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return read_rounds(str(output_dir))
