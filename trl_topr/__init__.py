@@ -4,6 +4,7 @@ __version__ = "0.1.0"
 
 from .composition import baseline_for_positive_fraction, effective_positive_fraction
 from .config import TOPRConfig
+from .curation import anna_karenina, baseline_for_target, composition_report, rebalance
 from .data import DataCollatorForTOPR, TOPRDataError
 from .evaluation import evaluate_policy
 from .loop import read_rounds, run_topr_loop
@@ -17,11 +18,15 @@ __all__ = [
     "TOPRConfig",
     "TOPRDataError",
     "TOPRTrainer",
+    "anna_karenina",
     "baseline_for_positive_fraction",
+    "baseline_for_target",
+    "composition_report",
     "effective_positive_fraction",
     "evaluate_policy",
     "generate_completions",
     "read_rounds",
+    "rebalance",
     "run_topr_loop",
     "sample_completions",
     "score_completions",

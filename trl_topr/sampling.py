@@ -16,6 +16,7 @@ import math
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from accelerate.logging import get_logger
@@ -110,6 +111,51 @@ def score_completions(
     return rewards, per_func
 
 
+def vllm_sampling_kwargs(
+    num_samples: int, temperature: float, top_p: float, top_k: int, max_new_tokens: int, seed: int | None
+) -> dict[str, Any]:
+    """
+    Arguments of `vllm.SamplingParams` equivalent to the transformers settings of [`generate_completions`].
+
+    Args:
+        num_samples (`int`): Completions per prompt.
+        temperature (`float`): Sampling temperature; 0 is greedy (one completion, repeated).
+        top_p (`float`): Nucleus sampling threshold.
+        top_k (`int`): Top-k, 0 to disable (vLLM's -1).
+        max_new_tokens (`int`): Maximum completion length.
+        seed (`int`, *optional*): Seed of the sampling.
+
+    Returns:
+        `dict[str, Any]`: keyword arguments of `vllm.SamplingParams`.
+
+    Example:
+    ```python
+    >>> vllm_sampling_kwargs(16, 1.0, 1.0, 500, 512, seed=0)
+    {'n': 16, 'temperature': 1.0, 'top_p': 1.0, 'top_k': 500, 'max_tokens': 512, 'seed': 0}
+
+    ```
+    """
+    greedy = temperature == 0
+    return {
+        "n": 1 if greedy else num_samples,
+        "temperature": temperature,
+        "top_p": 1.0 if greedy else top_p,
+        "top_k": -1 if greedy or top_k <= 0 else top_k,
+        "max_tokens": max_new_tokens,
+        "seed": seed,
+    }
+
+
+def _generate_vllm(engine, prompt_ids: list[list[int]], sampling_kwargs: dict[str, Any]) -> list[list[int]]:
+    # The only call into vLLM; `engine` is a `vllm.LLM`.
+    from vllm import SamplingParams
+
+    outputs = engine.generate(
+        [{"prompt_token_ids": ids} for ids in prompt_ids], SamplingParams(**sampling_kwargs), use_tqdm=False
+    )
+    return [list(sample.token_ids) for request in outputs for sample in request.outputs]
+
+
 @torch.no_grad()
 def generate_completions(
     model: PreTrainedModel,
@@ -122,17 +168,19 @@ def generate_completions(
     top_k: int = 0,
     max_new_tokens: int = 256,
     batch_size: int = 16,
+    seed: int | None = None,
+    vllm_engine=None,
     progress: bool = True,
 ) -> tuple[list, list[list[int]], float]:
     """
-    Generate `num_samples` completions per prompt with `model.generate`, batched with left padding.
+    Generate `num_samples` completions per prompt, with `model.generate` (batched, left padding) or a vLLM engine.
 
     Prompts are tokenized as [`TOPRTrainer`] tokenizes them (the chat template with a generation prompt for messages),
     so the model samples in the context it is trained in. `temperature=0` decodes greedily.
 
     Args:
         model ([`~transformers.PreTrainedModel`]):
-            Causal LM.
+            Causal LM (unused with `vllm_engine`).
         processing_class ([`~transformers.PreTrainedTokenizerBase`]):
             Its tokenizer.
         prompts (`list`):
@@ -149,58 +197,69 @@ def generate_completions(
             Maximum completion length.
         batch_size (`int`, *optional*, defaults to `16`):
             Prompts per `generate` call (each yields `num_samples` sequences).
+        seed (`int`, *optional*):
+            Seed of a vLLM engine's sampling (transformers uses the global seed: call `set_seed` first).
+        vllm_engine (`vllm.LLM`, *optional*):
+            Generate with this vLLM engine (`pip install trl-topr[vllm]`, GPU) instead of transformers. It must hold
+            the same weights as `model`.
         progress (`bool`, *optional*, defaults to `True`):
             Show a progress bar over prompts, with the throughput.
 
     Returns:
         `tuple[list, list[list[int]], float]`: the completions (prompt-major: the samples of prompt 0 first; messages
-        for conversational prompts), their token ids without padding, and the generation throughput in tokens/s.
+        for conversational prompts), their token ids up to and including the first end-of-sequence token, and the
+        generation throughput in tokens/s.
     """
     tokenizer = getattr(processing_class, "tokenizer", processing_class)
-    eos_ids = model.generation_config.eos_token_id
-    eos_ids = set(eos_ids if isinstance(eos_ids, list) else [eos_ids]) | {tokenizer.eos_token_id}
+    eos_ids = {tokenizer.eos_token_id}
+    if model is not None and model.generation_config.eos_token_id is not None:
+        configured = model.generation_config.eos_token_id
+        eos_ids |= set(configured if isinstance(configured, list) else [configured])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     greedy = temperature == 0
-    completions, completion_ids, generated, start = [], [], 0, time.perf_counter()
-    was_training = model.training
-    model.eval()
+    sequences, start = [], time.perf_counter()
     bar = tqdm(total=len(prompts), desc="Sampling", unit="prompt", disable=not progress)
+    was_training = model is not None and model.training
+    if model is not None:
+        model.eval()
     for first in range(0, len(prompts), batch_size):
         batch = prompts[first : first + batch_size]
-        encoded = [
-            _tokenize(processing_class, p, add_generation_prompt=True) if isinstance(p, list)
-            else _tokenize(processing_class, p)
+        prompt_ids = [
+            _tokenize(processing_class, p, add_generation_prompt=True)["input_ids"] if isinstance(p, list)
+            else _tokenize(processing_class, p)["input_ids"]
             for p in batch
         ]
-        inputs = tokenizer.pad(
-            {"input_ids": [e["input_ids"] for e in encoded]}, padding_side="left", return_tensors="pt"
-        ).to(model.device)
-        outputs = model.generate(
-            **inputs,
-            do_sample=not greedy,
-            temperature=None if greedy else temperature,
-            top_p=None if greedy else top_p,
-            top_k=None if greedy else top_k,
-            max_new_tokens=max_new_tokens,
-            num_return_sequences=1 if greedy else num_samples,
-            pad_token_id=pad_id,
-        )
-        sequences = outputs[:, inputs["input_ids"].size(1) :].tolist()
+        if vllm_engine is not None:
+            kwargs = vllm_sampling_kwargs(num_samples, temperature, top_p, top_k, max_new_tokens, seed)
+            generated = _generate_vllm(vllm_engine, prompt_ids, kwargs)
+        else:
+            inputs = tokenizer.pad({"input_ids": prompt_ids}, padding_side="left", return_tensors="pt").to(model.device)
+            outputs = model.generate(
+                **inputs,
+                do_sample=not greedy,
+                temperature=None if greedy else temperature,
+                top_p=None if greedy else top_p,
+                top_k=None if greedy else top_k,
+                max_new_tokens=max_new_tokens,
+                num_return_sequences=1 if greedy else num_samples,
+                pad_token_id=pad_id,
+            )
+            generated = outputs[:, inputs["input_ids"].size(1) :].tolist()
         if greedy:  # every sample of a prompt is the same greedy completion
-            sequences = [ids for ids in sequences for _ in range(num_samples)]
-        for prompt_index, ids in enumerate(sequences):
-            end = next((i + 1 for i, token in enumerate(ids) if token in eos_ids), len(ids))
-            ids = ids[:end]
-            text = tokenizer.decode(ids, skip_special_tokens=True)
-            prompt = batch[prompt_index // num_samples]
-            completions.append([{"role": "assistant", "content": text}] if isinstance(prompt, list) else text)
-            completion_ids.append(ids)
-            generated += len(ids)
+            generated = [ids for ids in generated for _ in range(num_samples)]
+        # cut at the first end-of-sequence token (what follows is padding)
+        sequences += [ids[: next((i + 1 for i, t in enumerate(ids) if t in eos_ids), len(ids))] for ids in generated]
         bar.update(len(batch))
-        bar.set_postfix(tokens_per_s=f"{generated / (time.perf_counter() - start):.0f}")
+        bar.set_postfix(tokens_per_s=f"{sum(map(len, sequences)) / (time.perf_counter() - start):.0f}")
     bar.close()
-    model.train(was_training)
-    return completions, completion_ids, generated / max(time.perf_counter() - start, 1e-9)
+    if model is not None:
+        model.train(was_training)
+    completions = []
+    for index, ids in enumerate(sequences):
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        prompt = prompts[index // num_samples]
+        completions.append([{"role": "assistant", "content": text}] if isinstance(prompt, list) else text)
+    return completions, sequences, sum(map(len, sequences)) / max(time.perf_counter() - start, 1e-9)
 
 
 def sample_completions(
