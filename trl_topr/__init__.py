@@ -9,6 +9,7 @@ from .data import DataCollatorForTOPR, TOPRDataError
 from .evaluation import evaluate_policy
 from .loop import read_rounds, run_topr_loop
 from .loss import topr_loss, topr_weights
+from .rewards import extract_final_answer, gsm8k_invalid, gsm8k_reward
 from .sampling import generate_completions, sample_completions, score_completions
 from .trainer import TOPRTrainer
 
@@ -24,7 +25,10 @@ __all__ = [
     "composition_report",
     "effective_positive_fraction",
     "evaluate_policy",
+    "extract_final_answer",
     "generate_completions",
+    "gsm8k_invalid",
+    "gsm8k_reward",
     "read_rounds",
     "rebalance",
     "run_topr_loop",

@@ -1,0 +1,228 @@
+r"""GSM8K correctness reward, as TRL reward functions: `fn(prompts, completions, **columns) -> list[float]`.
+
+A completion is correct when its final answer, stated as "The answer is N" (as in the TOPR paper), "#### N" or
+"\boxed{N}", equals the gold number. A completion without such a statement is *invalid*: it gets the reward of a wrong
+answer (-1), and [`gsm8k_invalid`] flags it. A bare last number is deliberately not taken as the answer, since the
+paper counts outputs without a final answer statement as invalid.
+
+Comparison uses `math_verify` when it is installed (so "72", "72.0" and "\frac{144}{2}" match), else plain numbers.
+"""
+
+import math
+import re
+import threading
+
+
+try:
+    from math_verify import parse, verify
+except ImportError:  # optional: answers_match then compares plain numbers only
+    parse = verify = None
+
+
+_NUMBER = r"-?\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"  # 72, -3, 1,234, $18, 2.5 (a trailing period is not taken)
+_ANSWER_IS = re.compile(rf"\banswer\s+is[\s:*$]*({_NUMBER})", re.IGNORECASE)  # "The (final) answer is: $1,234."
+_HASHES = re.compile(rf"####[\s$]*({_NUMBER})")
+_BOXED = "\\boxed{"
+
+
+def _clean(text: str) -> str:
+    """Strip spaces, dollar signs, thousands separators and a trailing period from an answer."""
+    text = text.strip().replace("$", "").rstrip(".").strip()
+    return re.sub(r"(?<=\d),(?=\d{3}\b)", "", text)
+
+
+def _last_boxed(text: str) -> str | None:
+    start = text.rfind(_BOXED)
+    if start == -1:
+        return None
+    depth, begin = 1, start + len(_BOXED)
+    for end in range(begin, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[end], 0)
+        if depth == 0:
+            return _clean(text[begin:end]) or None
+    return None  # unbalanced braces: the box was cut off
+
+
+def extract_final_answer(text: str) -> str | None:
+    r"""
+    Extract the final answer of a solution text.
+
+    The formats are tried in order, and within a format the last occurrence wins: "The answer is N" (case-insensitive,
+    also "the final answer is", with optional `$`, thousands commas and a trailing period), then "#### N", then
+    "\boxed{N}". A bare number is not an answer: without one of these statements the output is invalid.
+
+    Args:
+        text (`str`):
+            The solution text, e.g. a model completion.
+
+    Returns:
+        `str | None`:
+            The answer without `$` or thousands commas (e.g. `"1234"`), or `None` when no final answer is stated.
+
+    Example:
+    ```python
+    >>> from trl_topr.rewards import extract_final_answer
+
+    >>> extract_final_answer("3 + 4 = 7, so 7 * 2 = 14. The answer is $1,400.")
+    '1400'
+    >>> extract_final_answer("She makes 9 * 2 = 18 dollars.\n#### 18")
+    '18'
+    >>> print(extract_final_answer("She makes 9 * 2 = 18 dollars."))
+    None
+
+    ```
+    """
+    for pattern in (_ANSWER_IS, _HASHES):
+        matches = pattern.findall(text)
+        if matches:
+            return _clean(matches[-1])
+    return _last_boxed(text)
+
+
+def gold_answer(answer_field: str) -> str:
+    """
+    Gold number of a GSM8K `answer` field: the text after the last `####`, commas removed.
+
+    Args:
+        answer_field (`str`):
+            The GSM8K answer, reasoning followed by `#### N`. Without `####`, the whole (stripped) text is the answer.
+
+    Returns:
+        `str`:
+            The gold answer, e.g. `"1234"` for `"... #### 1,234"`.
+
+    Example:
+    ```python
+    >>> from trl_topr.rewards import gold_answer
+
+    >>> gold_answer("Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\\n#### 1,018")
+    '1018'
+
+    ```
+    """
+    return _clean(answer_field.rsplit("####", 1)[-1])
+
+
+def answers_match(predicted: str, gold: str) -> bool:
+    r"""
+    Whether a predicted answer equals the gold one, with `math_verify` (falling back to comparing plain numbers).
+
+    Args:
+        predicted (`str`):
+            The predicted answer, e.g. from [`extract_final_answer`].
+        gold (`str`):
+            The gold answer, e.g. from [`gold_answer`].
+
+    Returns:
+        `bool`:
+            `True` when both denote the same value.
+
+    Example:
+    ```python
+    >>> from trl_topr.rewards import answers_match
+
+    >>> answers_match("72.0", "72"), answers_match(r"\frac{144}{2}", "72"), answers_match("73", "72")
+    (True, True, False)
+
+    ```
+    """
+    if parse is not None:
+        # math_verify times out with signal.alarm, which only works in the main thread (as in TRL's accuracy_reward)
+        timeout = 5 if threading.current_thread() is threading.main_thread() else None
+        gold_parsed = parse(gold, parsing_timeout=timeout)
+        predicted_parsed = parse(predicted, parsing_timeout=timeout)
+        if gold_parsed and predicted_parsed:
+            return bool(verify(gold_parsed, predicted_parsed, timeout_seconds=timeout))
+    try:
+        return math.isclose(float(_clean(predicted)), float(_clean(gold)), rel_tol=1e-6)
+    except ValueError:
+        return False
+
+
+def _completion_text(completion) -> str:
+    """The text of a completion: a string (standard format) or the last message's content (conversational)."""
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
+def gsm8k_reward(prompts, completions, answer=None, solution=None, **kwargs) -> list[float | None]:
+    """
+    Reward function (TRL signature): +1.0 when the completion's final answer is the gold one, else -1.0.
+
+    Invalid completions (no final answer statement, see [`extract_final_answer`]) are incorrect and get -1.0. A row
+    whose gold is `None` gets `None`, which TRL treats as "no reward" for that example.
+
+    Args:
+        prompts (`list`):
+            The prompts (unused, part of the TRL signature).
+        completions (`list[str] | list[list[dict[str, str]]]`):
+            Completions as strings, or as lists of messages whose last `"content"` is the answer.
+        answer (`list[str]`, *optional*):
+            GSM8K `answer` column, `"... #### N"`. Used in priority over `solution`.
+        solution (`list[str]`, *optional*):
+            A plain gold column, e.g. `"72"`.
+        **kwargs:
+            Other dataset columns and trainer arguments; `log_extra`, when given by the trainer, logs the extracted
+            answers.
+
+    Returns:
+        `list[float | None]`:
+            One reward per completion: 1.0 or -1.0 (`None` where the gold is `None`).
+
+    Example:
+    ```python
+    >>> from trl_topr.rewards import gsm8k_reward
+
+    >>> completions = ["9 * 2 = 18. The answer is 18.", [{"role": "assistant", "content": "#### 17"}], "18"]
+    >>> gsm8k_reward(None, completions, answer=["9 * 2 = 18\\n#### 18"] * 3)
+    [1.0, -1.0, -1.0]
+
+    ```
+    """
+    golds = answer if answer is not None else solution
+    if golds is None:
+        raise ValueError(
+            "gsm8k_reward needs the gold answers: the dataset must have an `answer` column (GSM8K format, "
+            "'... #### 72') or a `solution` column (the gold number, '72')."
+        )
+    predicted = [extract_final_answer(_completion_text(c)) for c in completions]
+    rewards = []
+    for pred, gold in zip(predicted, golds, strict=True):
+        if gold is None:
+            rewards.append(None)
+        else:
+            rewards.append(1.0 if pred is not None and answers_match(pred, gold_answer(str(gold))) else -1.0)
+    if kwargs.get("log_extra") is not None:
+        kwargs["log_extra"]("extracted_answer", [p if p is not None else "[invalid]" for p in predicted])
+    return rewards
+
+
+def gsm8k_invalid(prompts, completions, **kwargs) -> list[float]:
+    """
+    Invalid-output flag (TRL signature): 1.0 when no final answer can be extracted, else 0.0.
+
+    This is a metric, not a training signal: give it weight 0 (e.g. `reward_weights=[1.0, 0.0]` after
+    [`gsm8k_reward`]) so that it is logged, and stored as an `invalid` column of a sampled dataset, without
+    changing the reward.
+
+    Args:
+        prompts (`list`):
+            The prompts (unused, part of the TRL signature).
+        completions (`list[str] | list[list[dict[str, str]]]`):
+            Completions as strings, or as lists of messages whose last `"content"` is the answer.
+        **kwargs:
+            Dataset columns and trainer arguments (unused).
+
+    Returns:
+        `list[float]`:
+            One flag per completion.
+
+    Example:
+    ```python
+    >>> from trl_topr.rewards import gsm8k_invalid
+
+    >>> gsm8k_invalid(None, ["The answer is 18.", [{"role": "assistant", "content": "So she makes 18."}]])
+    [0.0, 1.0]
+
+    ```
+    """
+    return [float(extract_final_answer(_completion_text(c)) is None) for c in completions]
