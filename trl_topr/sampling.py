@@ -148,7 +148,10 @@ def vllm_sampling_kwargs(
 
 def _generate_vllm(engine, prompt_ids: list[list[int]], sampling_kwargs: dict[str, Any]) -> list[list[int]]:
     # The only call into vLLM; `engine` is a `vllm.LLM`.
-    from vllm import SamplingParams
+    try:
+        from vllm import SamplingParams
+    except ImportError as error:
+        raise ImportError("The vLLM backend needs vLLM: `pip install trl-topr[vllm]` (GPU machines).") from error
 
     outputs = engine.generate(
         [{"prompt_token_ids": ids} for ids in prompt_ids], SamplingParams(**sampling_kwargs), use_tqdm=False
@@ -277,6 +280,7 @@ def sample_completions(
     seed: int = 0,
     batch_size: int = 16,
     args: TOPRConfig | None = None,
+    vllm_engine=None,
     progress: bool = True,
 ) -> Dataset:
     """
@@ -313,6 +317,9 @@ def sample_completions(
             The configuration the dataset will be trained with: its `max_length`, mixed precision and
             `model_init_kwargs` set how the behavior log-probs are computed. Defaults to a default [`TOPRConfig`].
             The returned columns always have the canonical names.
+        vllm_engine (`vllm.LLM`, *optional*):
+            Generate with this vLLM engine, loaded with the same weights as `model` (`pip install trl-topr[vllm]`);
+            `model` still computes the behavior log-probs, so they match what the trainer computes.
         progress (`bool`, *optional*, defaults to `True`):
             Show a progress bar over prompts.
 
@@ -342,7 +349,8 @@ def sample_completions(
         prompts = list(dataset[PROMPT])
         completions, completion_ids, tokens_per_s = generate_completions(
             model, processing_class, prompts, num_samples=num_samples, temperature=temperature, top_p=top_p,
-            top_k=top_k, max_new_tokens=max_new_tokens, batch_size=batch_size, progress=progress,
+            top_k=top_k, max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed, vllm_engine=vllm_engine,
+            progress=progress,
         )  # fmt: skip
         logger.info(f"Sampled {len(completions)} completions at {tokens_per_s:.1f} tokens/s.")
         rows = [i for i in range(len(dataset)) for _ in range(num_samples)]
