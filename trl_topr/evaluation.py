@@ -48,8 +48,16 @@ def evaluate_policy(
             invalid rate (e.g. [`~trl_topr.rewards.extract_final_answer`]).
         num_samples (`int`, *optional*, defaults to `4`):
             k: sampled completions per prompt for the sampled pass@1 and maj@k.
-        temperature, top_p, top_k, max_new_tokens, batch_size:
-            Sampling settings, see [`generate_completions`].
+        temperature (`float`, *optional*, defaults to `1.0`):
+            Sampling temperature of the k samples.
+        top_p (`float`, *optional*, defaults to `1.0`):
+            Nucleus sampling threshold.
+        top_k (`int`, *optional*, defaults to `0`):
+            Top-k sampling, 0 to disable.
+        max_new_tokens (`int`, *optional*, defaults to `256`):
+            Maximum completion length.
+        batch_size (`int`, *optional*, defaults to `16`):
+            Prompts per generation batch.
         seed (`int`, *optional*, defaults to `0`):
             Seed of the sampling.
         progress (`bool`, *optional*, defaults to `True`):

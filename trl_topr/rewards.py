@@ -160,7 +160,7 @@ def gsm8k_reward(prompts, completions, answer=None, solution=None, **kwargs) -> 
             GSM8K `answer` column, `"... #### N"`. Used in priority over `solution`.
         solution (`list[str]`, *optional*):
             A plain gold column, e.g. `"72"`.
-        **kwargs:
+        **kwargs (`Any`):
             Other dataset columns and trainer arguments; `log_extra`, when given by the trainer, logs the extracted
             answers.
 
@@ -209,7 +209,7 @@ def gsm8k_invalid(prompts, completions, **kwargs) -> list[float]:
             The prompts (unused, part of the TRL signature).
         completions (`list[str] | list[list[dict[str, str]]]`):
             Completions as strings, or as lists of messages whose last `"content"` is the answer.
-        **kwargs:
+        **kwargs (`Any`):
             Dataset columns and trainer arguments (unused).
 
     Returns:
