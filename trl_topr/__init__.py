@@ -9,6 +9,7 @@ from .data import DataCollatorForTOPR, TOPRDataError
 from .evaluation import evaluate_policy
 from .loop import read_rounds, run_topr_loop
 from .loss import topr_loss, topr_weights
+from .online import TOPRGRPOConfig, TOPRGRPOTrainer
 from .rewards import extract_final_answer, gsm8k_invalid, gsm8k_reward
 from .sampling import generate_completions, sample_completions, score_completions
 from .trainer import TOPRTrainer
@@ -18,6 +19,8 @@ __all__ = [
     "DataCollatorForTOPR",
     "TOPRConfig",
     "TOPRDataError",
+    "TOPRGRPOConfig",
+    "TOPRGRPOTrainer",
     "TOPRTrainer",
     "anna_karenina",
     "baseline_for_positive_fraction",

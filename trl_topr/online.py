@@ -1,0 +1,206 @@
+"""Online TOPR: [`~trl.GRPOTrainer`] with its loss replaced by [`topr_loss`]. Swap `GRPOTrainer` / `GRPOConfig` for
+`TOPRGRPOTrainer` / `TOPRGRPOConfig` and a TRL GRPO script trains with TOPR."""
+
+from dataclasses import dataclass, field
+
+import torch
+from trl import GRPOConfig, GRPOTrainer
+from trl.trainer.utils import get_config_model_id, nanmax, nanmin
+
+from .composition import baseline_for_positive_fraction
+from .config import TOPRConfig
+from .loss import LOSS_NORMALIZATIONS, LOSS_TYPES, RATIO_LEVELS, resolve_ratio_bounds, topr_loss
+from .trainer import TOPRTrainer
+
+
+# Options of GRPO's own loss, which TOPR's loss replaces, with the value that leaves them off.
+GRPO_LOSS_OPTIONS = {"beta": 0.0, "delta": None, "epsilon_high": None, "importance_sampling_level": "token",
+                     "top_entropy_quantile": 1.0, "off_policy_mask_threshold": None, "entropy_coef": 0.0,
+                     "use_adaptive_entropy": False}
+TOPR_OPTIONS = ("loss_type", "ratio_level", "loss_normalization", "positive_ratio_bounds", "negative_ratio_bounds",
+                "epsilon")
+MULTIMODAL_INPUTS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
+                     "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+
+
+def _like_topr(name: str, **metadata):
+    # The default and the CLI metadata of TOPRConfig's field `name`, with `metadata` overriding it.
+    topr_field = TOPRConfig.__dataclass_fields__[name]
+    return field(default=topr_field.default, metadata={**topr_field.metadata, **metadata})
+
+
+@dataclass
+class TOPRGRPOConfig(GRPOConfig):
+    r"""
+    Configuration class for the [`TOPRGRPOTrainer`].
+
+    Extends TRL's [`~trl.GRPOConfig`] (generation, rewards, batching, vLLM) with the options of [`TOPRConfig`], same
+    names and meaning. R is GRPO's combined reward (weighted sum of the reward functions), not its normalized
+    advantage, so `scale_rewards` only shapes GRPO's logs; the sign test and the weight use R - c, c set by at most one
+    of `baseline`, `target_positive_fraction`, `group_baseline`. GRPO's own loss options (`beta`, `delta`,
+    `epsilon_high`, `importance_sampling_level`, `top_entropy_quantile`, `off_policy_mask_threshold`, `entropy_coef`,
+    `use_adaptive_entropy`) must stay off: TOPR has no KL term, no reference model, and its own ratio options.
+
+    Parameters:
+        loss_type (`str`, *optional*, defaults to `"topr"`):
+            TOPR's weighting, as in [`TOPRConfig`]: `"topr"`, `"reinforce"`, `"is"`, `"tis"`, `"positives_only"` or
+            `"ppo_clip"`. It replaces GRPO's `loss_type` (grpo/dapo/...) instead of adding a second name: GRPO reads
+            it only in the loss, which [`TOPRGRPOTrainer`] replaces, and scripts keep passing `--loss_type`.
+        positive_ratio_bounds (`list[float]`, *optional*):
+            Custom window `[a+, b+]` of the ratio pi/mu for positives. Defaults to the `loss_type` preset.
+        negative_ratio_bounds (`list[float]`, *optional*):
+            Custom window `[a-, b-]` for negatives. Defaults to the `loss_type` preset (`[0, 1]` for `"topr"`).
+        epsilon (`float`, *optional*, defaults to `0.2`):
+            GRPO's clipping epsilon, reused as the trust region `[1 - epsilon, 1 + epsilon]` of `"ppo_clip"`.
+        ratio_level (`str`, *optional*, defaults to `"sequence"`):
+            `"sequence"` (the paper), `"token"` or `"sequence_mean"`; replaces GRPO's `importance_sampling_level`.
+        loss_normalization (`str`, *optional*, defaults to `"sequence_length"`):
+            `"sequence_length"` (the paper), `"token_mean"` or `"sum"`, over each micro-batch.
+        baseline (`float`, *optional*):
+            Constant baseline c. Defaults to `0.0`, as in the paper's runs.
+        target_positive_fraction (`float`, *optional*):
+            Target effective positive fraction in (0, 1): c is derived from each generation batch (all processes),
+            `0.0` if its rewards are all equal.
+        group_baseline (`bool`, *optional*, defaults to `False`):
+            c is the mean reward of the prompt's `num_generations` completions: GRPO's baseline, without its scaling.
+    """
+
+    loss_type: str = _like_topr("loss_type", help="TOPR's weighting: 'topr', 'reinforce', 'is', 'tis', "
+                                "'positives_only' or 'ppo_clip'. Replaces GRPOConfig's grpo/dapo/... `loss_type`.")
+    positive_ratio_bounds: list[float] | None = _like_topr("positive_ratio_bounds")
+    negative_ratio_bounds: list[float] | None = _like_topr("negative_ratio_bounds")
+    epsilon: float = _like_topr("epsilon", help="Trust region of `loss_type='ppo_clip'` (GRPO's clipping epsilon).")
+    ratio_level: str = _like_topr("ratio_level")
+    loss_normalization: str = _like_topr("loss_normalization")
+    baseline: float | None = _like_topr("baseline")
+    target_positive_fraction: float | None = _like_topr(
+        "target_positive_fraction", help="Target effective positive fraction in (0, 1): the baseline is derived from "
+        "each generation batch. Exclusive with `baseline` and `group_baseline`."
+    )
+    group_baseline: bool = field(
+        default=False, metadata={"help": "Use the mean reward of each prompt's completions as the baseline."}
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name, allowed in zip(("loss_type", "ratio_level", "loss_normalization"),
+                                 (LOSS_TYPES, RATIO_LEVELS, LOSS_NORMALIZATIONS), strict=True):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"Unknown `{name}` {getattr(self, name)!r}: expected one of {allowed}.")
+        if any(b is not None and len(b) != 2 for b in (self.positive_ratio_bounds, self.negative_ratio_bounds)):
+            raise ValueError("`positive_ratio_bounds` and `negative_ratio_bounds` take two numbers [low, high].")
+        resolve_ratio_bounds(self.loss_type, self.positive_ratio_bounds, self.negative_ratio_bounds)
+        if not 0.0 < self.epsilon < 1.0:
+            raise ValueError(f"`epsilon` must be in (0, 1), got {self.epsilon}.")
+        if sum([self.baseline is not None, self.target_positive_fraction is not None, self.group_baseline]) > 1:
+            raise ValueError("Set at most one of `baseline`, `target_positive_fraction` and `group_baseline`.")
+        if self.target_positive_fraction is not None and not 0.0 < self.target_positive_fraction < 1.0:
+            raise ValueError(f"`target_positive_fraction` must be in (0, 1), got {self.target_positive_fraction}.")
+        for name, off in GRPO_LOSS_OPTIONS.items():
+            if getattr(self, name) != off:
+                raise ValueError(f"`{name}` is an option of GRPO's loss, which TOPR replaces: leave it at {off!r}.")
+
+
+class TOPRGRPOTrainer(GRPOTrainer):
+    r"""
+    Online Tapered Off-Policy REINFORCE: [`~trl.GRPOTrainer`] with the TOPR loss, from [Tapered Off-Policy REINFORCE:
+    Stable and efficient reinforcement learning for LLMs](https://huggingface.co/papers/2503.14286).
+
+    Generates and scores completions of a prompt-only dataset exactly as GRPO does; only the loss differs:
+    [`topr_loss`] on R - c, with mu the sampling policy: vLLM's log-probs when given, else GRPO's `old_per_token_logps`
+    (when `steps_per_generation` or `num_iterations` make steps off-policy), else the current log-probs, detached
+    (on-policy, where TOPR equals REINFORCE). Logs TOPR's metrics (`negative_weight_mean`, ...) next to GRPO's.
+
+    Example:
+    ```python
+    >>> from datasets import Dataset
+    >>> from trl_topr.online import TOPRGRPOTrainer
+
+    >>> def reward_digit(completions, **kwargs):
+    ...     return [1.0 if any(c.isdigit() for c in text) else -1.0 for text in completions]
+    >>> dataset = Dataset.from_dict({"prompt": ["2 + 2 =", "3 + 5 ="]})
+    >>> trainer = TOPRGRPOTrainer(
+    ...     "HuggingFaceTB/SmolLM2-135M-Instruct", reward_digit, train_dataset=dataset
+    ... )  # doctest: +SKIP
+    >>> trainer.train()  # doctest: +SKIP
+
+    ```
+
+    Args:
+        model (`str` or [`~transformers.PreTrainedModel`] or [`~peft.PeftModel`]):
+            Model to train, as for [`~trl.GRPOTrainer`].
+        reward_funcs (`Callable`, `str` or a list of them):
+            Reward functions or reward models, as for [`~trl.GRPOTrainer`].
+        args ([`TOPRGRPOConfig`], *optional*):
+            Configuration; a default one if `None`. A plain [`~trl.GRPOConfig`] is refused (its `loss_type` is GRPO's).
+        *more_args (`Any`):
+            Further positional arguments of [`~trl.GRPOTrainer`] (`train_dataset`, `eval_dataset`, ...).
+        **kwargs (`Any`):
+            Further keyword arguments of [`~trl.GRPOTrainer`] (`train_dataset`, `peft_config`, `callbacks`, ...).
+    """
+
+    _tag_names = ["trl", "topr", "grpo"]
+    _name = "TOPR-GRPO"
+    _paper = TOPRTrainer._paper
+
+    def __init__(self, model, reward_funcs=None, args: TOPRGRPOConfig | None = None, *more_args, **kwargs):
+        if args is None:
+            model_name = model if isinstance(model, str) else get_config_model_id(model.config)
+            args = TOPRGRPOConfig(f"{model_name.split('/')[-1]}-TOPR-GRPO")
+        elif not isinstance(args, TOPRGRPOConfig):
+            raise TypeError(f"`args` must be a TOPRGRPOConfig, got {type(args).__name__}: swap GRPOConfig for it.")
+        super().__init__(model, reward_funcs, args, *more_args, **kwargs)
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        # Keep the rewards of every process's completions: GRPO passes only its normalized advantages on to the loss.
+        self._rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        return self._rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        rewards_per_func = self._rewards_per_func
+        rewards = (rewards_per_func * self.reward_weights.to(rewards_per_func.device)).nansum(dim=1)
+        rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan  # unscorable: R - c is set to 0 in the loss
+        if self.args.group_baseline:
+            num_generations = self.num_generations if self.model.training else self.num_generations_eval
+            baselines = torch.nanmean(rewards.view(-1, num_generations), 1).repeat_interleave(num_generations)
+        else:
+            baseline = self.args.baseline or 0.0
+            scored = rewards[~torch.isnan(rewards)]
+            if self.args.target_positive_fraction is not None and scored.unique().numel() > 1:
+                baseline = baseline_for_positive_fraction(scored.tolist(), self.args.target_positive_fraction)
+            baselines = torch.full_like(rewards, baseline)
+        local = slice(self.accelerator.process_index * len(inputs), (self.accelerator.process_index + 1) * len(inputs))
+        output["rewards"], output["baselines"] = rewards[local], baselines[local]
+        return output
+
+    def _compute_loss(self, model, inputs):
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
+        per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True,
+            compute_aux_loss=self.aux_loss_enabled, **{name: inputs.get(name) for name in MULTIMODAL_INPUTS}
+        )
+        # mu: GRPO leaves `old_per_token_logps` out when every step is on-policy; vLLM's log-probs are the sampler's.
+        behavior_logps = inputs.get("old_per_token_logps", per_token_logps.detach())
+        if (sampling := inputs.get("sampling_per_token_logps")) is not None:  # NaN: tokens vLLM could not score
+            behavior_logps = torch.where(torch.isnan(sampling), behavior_logps, sampling)
+        advantages = torch.nan_to_num(inputs["rewards"] - inputs["baselines"])  # R - c, 0 for unscorable completions
+        options = {name: getattr(self.args, name) for name in TOPR_OPTIONS}
+        loss, metrics = topr_loss(per_token_logps, mask, advantages, behavior_logps, **options)
+        mode = "train" if self.model.training else "eval"
+        normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0  # as GRPO: no HF scaling
+        loss = loss / normalizer
+        if self.aux_loss_enabled:
+            loss = loss + self.router_aux_loss_coef * aux_loss / normalizer
+        del metrics["reward"], metrics["completion_length"]  # GRPO logs them ("reward", "completions/mean_length")
+        metrics["baseline"] = inputs["baselines"].float().nanmean()
+        metrics["entropy"] = (entropies.detach() * mask).sum() / mask.sum().clamp(min=1)
+        names = list(metrics)
+        gathered = self.accelerator.gather(torch.stack([metrics[n].float() for n in names])[None])
+        for name, values in zip(names, gathered.view(-1, len(names)).T, strict=True):
+            reduce = nanmin if name.endswith("_min") else nanmax if name.endswith("_max") else torch.nanmean
+            self._metrics[mode][name].append(reduce(values).item())
+        return loss
