@@ -1,9 +1,11 @@
 """`accelerate launch --num_processes 2` on CPU: the behavior precompute and training run across processes."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 from conftest import make_args, standard_dataset
 from datasets import Dataset
@@ -44,7 +46,7 @@ def test_two_processes_agree_with_one_on_the_behavior_logps(tiny_model_path, tmp
     data_path = tmp_path / "data.jsonl"
     varied_lengths_dataset().to_json(str(data_path))
     script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(tests=str(__import__("pathlib").Path(__file__).parent)))
+    script.write_text(WORKER.format(tests=str(Path(__file__).parent)))
     output_dir = tmp_path / "out"
     output_dir.mkdir()
     # `--multi_gpu` selects accelerate's torch.distributed launcher; without a GPU the processes use gloo on CPU.
@@ -52,7 +54,7 @@ def test_two_processes_agree_with_one_on_the_behavior_logps(tiny_model_path, tmp
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                str(script), tiny_model_path, str(data_path), str(output_dir)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                            env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
 
     ranks = [json.loads((output_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -66,3 +68,63 @@ def test_two_processes_agree_with_one_on_the_behavior_logps(tiny_model_path, tmp
             assert len(got) == len(want)
             assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
         assert rank["losses"] == ranks[0]["losses"]  # metrics are gathered: every rank logs the same
+
+
+LOOP_WORKER = textwrap.dedent(
+    """
+    import hashlib, json, re, sys
+    sys.path.insert(0, {tests!r})
+    import torch
+    from accelerate import PartialState
+    from conftest import make_args
+    from datasets import Dataset
+    from trl_topr import TOPRTrainer, run_topr_loop
+
+    def digest(model):  # weights as this process holds them after training
+        h = hashlib.sha256()
+        for name, tensor in sorted(model.state_dict().items()):
+            h.update(name.encode()); h.update(tensor.detach().float().cpu().numpy().tobytes())
+        return h.hexdigest()
+
+    save_model = TOPRTrainer.save_model
+    def recording_save_model(self, output_dir=None, _internal_call=False):
+        with open(f"{{output_dir}}/weights-rank{{PartialState().process_index}}.txt", "w") as f:
+            f.write(digest(self.model))
+        return save_model(self, output_dir, _internal_call)
+    TOPRTrainer.save_model = recording_save_model
+
+    def correct(prompts, completions, answer, **kwargs):
+        return [1.0 if a in c[-1]["content"] else -1.0 for c, a in zip(completions, answer)]
+
+    prompts = Dataset.from_dict({{"prompt": [[{{"role": "user", "content": f"What is {{i}} + 3?"}}] for i in range(6)],
+                                 "answer": [str(i + 3) for i in range(6)]}})
+    last_number = lambda text: (re.findall(r"\\d+", text) or [None])[-1]
+    rounds = run_topr_loop(sys.argv[1], prompts, correct, make_args(sys.argv[2], max_steps=-1,
+                           per_device_train_batch_size=2), num_rounds=1, eval_prompts=prompts.select(range(3)),
+                           correct_func=correct, answer_func=last_number,
+                           sampling_kwargs={{"num_samples": 2, "max_new_tokens": 6, "progress": False}},
+                           eval_kwargs={{"num_samples": 2, "max_new_tokens": 6, "progress": False}})
+    with open(f"{{sys.argv[2]}}/rounds-rank{{PartialState().process_index}}.json", "w") as f:
+        json.dump(rounds, f)
+    PartialState().destroy_process_group()
+    """
+)
+
+
+def test_loop_under_two_processes_trains_the_same_weights_everywhere(tiny_model_path, tmp_path):
+    script = tmp_path / "loop_worker.py"
+    script.write_text(LOOP_WORKER.format(tests=str(Path(__file__).parent)))
+    output_dir = tmp_path / "loop"
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               str(script), tiny_model_path, str(output_dir)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    round_dir = output_dir / "round-1"
+    digests = [(round_dir / f"weights-rank{r}.txt").read_text() for r in (0, 1)]
+    assert digests[0] == digests[1]
+    rounds = [json.loads((output_dir / f"rounds-rank{r}.json").read_text()) for r in (0, 1)]
+    assert rounds[0] == rounds[1] and [r["round"] for r in rounds[0]] == [0, 1]
+    assert rounds[0][1]["num_samples"] == 12  # 6 prompts x 2 samples, split across the processes and gathered
+    assert len((round_dir / "samples.jsonl").read_text().splitlines()) == 12

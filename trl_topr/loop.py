@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate import PartialState
 from accelerate.logging import get_logger
 from datasets import Dataset
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -95,7 +96,9 @@ def run_topr_loop(
     Everything goes to `args.output_dir`: `round-<r>/` holds the model after round r and its sampled dataset
     (`samples.jsonl`), `metrics.jsonl` one line per completed round (round 0 evaluates the initial model) and
     `metrics.png` their plot. A round counts as completed once its line is written: started again, the loop resumes
-    after the last completed round, redoing an interrupted one from its start.
+    after the last completed round, redoing an interrupted one from its start. Under `accelerate launch`, every
+    process runs the loop: sampling and evaluation are split across the processes, training is data-parallel, and the
+    main process writes the files.
 
     Args:
         model (`str`):
@@ -132,6 +135,7 @@ def run_topr_loop(
     """
     if eval_prompts is not None and (correct_func is None or answer_func is None):
         raise ValueError("Evaluating `eval_prompts` needs `correct_func` and `answer_func`.")
+    state = PartialState()  # under `accelerate launch`, every process runs the loop; the main one writes
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     processing_class = processing_class or AutoTokenizer.from_pretrained(model)
@@ -144,9 +148,11 @@ def run_topr_loop(
         return evaluate_policy(policy, processing_class, eval_prompts, correct_func, answer_func, **eval_kwargs)
 
     def record(metrics: dict[str, Any]) -> None:
-        with open(output_dir / METRICS_FILE, "a") as f:  # the line marks the round as completed
-            f.write(json.dumps(metrics) + "\n")
-        plot_rounds(read_rounds(str(output_dir)), str(output_dir / "metrics.png"))
+        if state.is_main_process:
+            with open(output_dir / METRICS_FILE, "a") as f:  # the line marks the round as completed
+                f.write(json.dumps(metrics) + "\n")
+            plot_rounds(read_rounds(str(output_dir)), str(output_dir / "metrics.png"))
+        state.wait_for_everyone()
         logger.info(f"Round {metrics['round']}: {metrics}")
 
     rounds = read_rounds(str(output_dir))
@@ -155,7 +161,10 @@ def run_topr_loop(
         rounds = read_rounds(str(output_dir))
     for round_index in range(rounds[-1]["round"] + 1, num_rounds + 1):
         round_dir = output_dir / f"round-{round_index}"
-        shutil.rmtree(round_dir, ignore_errors=True)  # an interrupted attempt is redone from its start
+        if state.is_main_process:
+            shutil.rmtree(round_dir, ignore_errors=True)  # an interrupted attempt is redone from its start
+            round_dir.mkdir(parents=True)
+        state.wait_for_everyone()
         previous = model if round_index == 1 else str(output_dir / f"round-{round_index - 1}")
         policy = create_model_from_path(previous, **model_init_kwargs)
 
@@ -163,8 +172,8 @@ def run_topr_loop(
             policy, train_prompts, reward_funcs, processing_class=processing_class, reward_weights=reward_weights,
             seed=args.seed + round_index, args=args, **sampling_kwargs,
         )  # fmt: skip
-        round_dir.mkdir(parents=True)
-        samples.to_json(str(round_dir / "samples.jsonl"))
+        if state.is_main_process:
+            samples.to_json(str(round_dir / "samples.jsonl"))
         train_data = curate(samples) if curate is not None else samples
         round_args = dataclasses.replace(args, output_dir=str(round_dir), num_train_epochs=1, max_steps=-1)
         trainer = TOPRTrainer(policy, args=round_args, train_dataset=train_data, processing_class=processing_class)

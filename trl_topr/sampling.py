@@ -19,7 +19,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from accelerate import PartialState
 from accelerate.logging import get_logger
+from accelerate.utils import gather_object
 from datasets import Dataset
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, set_seed
@@ -159,7 +161,6 @@ def _generate_vllm(engine, prompt_ids: list[list[int]], sampling_kwargs: dict[st
     return [list(sample.token_ids) for request in outputs for sample in request.outputs]
 
 
-@torch.no_grad()
 def generate_completions(
     model: PreTrainedModel,
     processing_class: PreTrainedTokenizerBase,
@@ -179,7 +180,9 @@ def generate_completions(
     Generate `num_samples` completions per prompt, with `model.generate` (batched, left padding) or a vLLM engine.
 
     Prompts are tokenized as [`TOPRTrainer`] tokenizes them (the chat template with a generation prompt for messages),
-    so the model samples in the context it is trained in. `temperature=0` decodes greedily.
+    so the model samples in the context it is trained in. `temperature=0` decodes greedily. Under several processes
+    (`accelerate launch`), each generates a share of the prompts with its copy of the model and every process gets all
+    the completions, in prompt order.
 
     Args:
         model ([`~transformers.PreTrainedModel`]):
@@ -213,6 +216,26 @@ def generate_completions(
         for conversational prompts), their token ids up to and including the first end-of-sequence token, and the
         generation throughput in tokens/s.
     """
+    state = PartialState()
+    settings = dict(
+        num_samples=num_samples, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
+        batch_size=batch_size, seed=seed, vllm_engine=vllm_engine,
+    )  # fmt: skip
+    if state.num_processes == 1 or vllm_engine is not None:
+        return _generate_local(model, processing_class, prompts, progress=progress, **settings)
+    # Each process generates a contiguous share of the prompts; gathering in rank order restores the order.
+    with state.split_between_processes(list(prompts)) as shard:
+        completions, sequences, tokens_per_s = _generate_local(
+            model, processing_class, shard, progress=progress and state.is_main_process, **settings
+        )
+    return gather_object(completions), gather_object(sequences), sum(gather_object([tokens_per_s]))
+
+
+@torch.no_grad()
+def _generate_local(
+    model, processing_class, prompts, *, num_samples, temperature, top_p, top_k, max_new_tokens, batch_size, seed,
+    vllm_engine, progress,
+):
     tokenizer = getattr(processing_class, "tokenizer", processing_class)
     eos_ids = {tokenizer.eos_token_id}
     if model is not None and model.generation_config.eos_token_id is not None:
@@ -345,7 +368,7 @@ def sample_completions(
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
 
-        set_seed(seed)
+        set_seed(seed + PartialState().process_index)  # processes sample different shares of the prompts
         prompts = list(dataset[PROMPT])
         completions, completion_ids, tokens_per_s = generate_completions(
             model, processing_class, prompts, num_samples=num_samples, temperature=temperature, top_p=top_p,
