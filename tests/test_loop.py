@@ -98,3 +98,29 @@ def test_loop_runs_rounds_writes_metrics_and_resumes(tiny_model_path, tmp_path):
 def test_evaluation_needs_its_functions(tiny_model_path, tmp_path):
     with pytest.raises(ValueError, match="correct_func"):
         run_topr_loop(tiny_model_path, prompts(2), correct, make_args(tmp_path), eval_prompts=prompts(2))
+
+
+def test_loop_with_lora_merges_each_rounds_adapter(tiny_model_path, tmp_path):
+    from peft import LoraConfig
+
+    args = make_args(tmp_path / "lora", per_device_train_batch_size=4, max_steps=-1, learning_rate=1e-2)
+    peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    rounds = run_topr_loop(tiny_model_path, prompts(4), correct, args, num_rounds=2, peft_config=peft_config,
+                           sampling_kwargs={"num_samples": 2, "max_new_tokens": 8, "progress": False})
+    assert [r["round"] for r in rounds] == [0, 1, 2]
+    for r in (1, 2):
+        files = set(os.listdir(tmp_path / "lora" / f"round-{r}"))
+        assert {"model.safetensors", "config.json", "README.md", "adapter"} <= files
+        assert "adapter_model.safetensors" in os.listdir(tmp_path / "lora" / f"round-{r}" / "adapter")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "lora" / "round-1")
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    changed = [n for (n, a), b in zip(initial.named_parameters(), merged.parameters()) if not a.equal(b)]
+    assert changed and all("q_proj" in n or "v_proj" in n for n in changed)  # the merged adapter, nothing else
+
+
+def test_quantized_loop_needs_an_adapter(tiny_model_path, tmp_path):
+    from transformers import BitsAndBytesConfig
+
+    with pytest.raises(ValueError, match="peft_config"):
+        run_topr_loop(tiny_model_path, prompts(2), correct, make_args(tmp_path),
+                      quantization_config=BitsAndBytesConfig(load_in_4bit=True))

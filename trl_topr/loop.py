@@ -12,6 +12,7 @@ import torch
 from accelerate import PartialState
 from accelerate.logging import get_logger
 from datasets import Dataset
+from peft import PeftModel
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from trl.trainer.utils import create_model_from_path
 
@@ -86,6 +87,8 @@ def run_topr_loop(
     answer_func: Callable[[str], str | None] | None = None,
     curate: Callable[[Dataset], Dataset] | None = None,
     processing_class: PreTrainedTokenizerBase | None = None,
+    peft_config=None,
+    quantization_config=None,
     sampling_kwargs: dict[str, Any] | None = None,
     eval_kwargs: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
@@ -125,6 +128,11 @@ def run_topr_loop(
             Transformation of each round's samples before training (e.g. [`~trl_topr.curation.anna_karenina`]).
         processing_class ([`~transformers.PreTrainedTokenizerBase`], *optional*):
             Tokenizer; loaded from `model` if `None`.
+        peft_config ([`~peft.PeftConfig`], *optional*):
+            Train a fresh adapter each round (LoRA). It is merged into the model saved for the next round, in the
+            precision of `args.model_init_kwargs`; the adapter alone is kept in `round-<r>/adapter`.
+        quantization_config ([`~transformers.BitsAndBytesConfig`], *optional*):
+            Load each round's model quantized, for sampling and training (QLoRA with `peft_config`).
         sampling_kwargs (`dict[str, Any]`, *optional*):
             Keyword arguments of [`sample_completions`] (`num_samples`, `temperature`, `top_k`, `max_new_tokens`...).
         eval_kwargs (`dict[str, Any]`, *optional*):
@@ -140,7 +148,27 @@ def run_topr_loop(
     output_dir.mkdir(parents=True, exist_ok=True)
     processing_class = processing_class or AutoTokenizer.from_pretrained(model)
     sampling_kwargs, eval_kwargs = dict(sampling_kwargs or {}), dict(eval_kwargs or {})
-    model_init_kwargs = args.model_init_kwargs or {}
+    model_init_kwargs = dict(args.model_init_kwargs or {})
+    if quantization_config is not None:
+        if peft_config is None:
+            raise ValueError("A quantized model cannot be fully fine-tuned: give a `peft_config` too (QLoRA).")
+        model_init_kwargs["quantization_config"] = quantization_config
+
+    def load(path: str):
+        return create_model_from_path(path, **model_init_kwargs)
+
+    def save_for_next_round(trainer: TOPRTrainer, previous: str, round_dir: Path) -> None:
+        if peft_config is None:
+            trainer.save_model(str(round_dir))
+            return
+        trainer.save_model(str(round_dir / "adapter"))
+        if state.is_main_process:  # merge the adapter into an unquantized copy of the round's starting model
+            base = create_model_from_path(previous, **(args.model_init_kwargs or {}))
+            merged = PeftModel.from_pretrained(base, str(round_dir / "adapter")).merge_and_unload()
+            merged.save_pretrained(str(round_dir))
+            processing_class.save_pretrained(str(round_dir))
+            shutil.copy(round_dir / "adapter" / "README.md", round_dir / "README.md")
+        state.wait_for_everyone()
 
     def evaluate(policy) -> dict[str, float]:
         if eval_prompts is None:
@@ -157,7 +185,7 @@ def run_topr_loop(
 
     rounds = read_rounds(str(output_dir))
     if not rounds:
-        record({"round": 0, **evaluate(create_model_from_path(model, **model_init_kwargs))})
+        record({"round": 0, **evaluate(load(model))})
         rounds = read_rounds(str(output_dir))
     for round_index in range(rounds[-1]["round"] + 1, num_rounds + 1):
         round_dir = output_dir / f"round-{round_index}"
@@ -166,7 +194,7 @@ def run_topr_loop(
             round_dir.mkdir(parents=True)
         state.wait_for_everyone()
         previous = model if round_index == 1 else str(output_dir / f"round-{round_index - 1}")
-        policy = create_model_from_path(previous, **model_init_kwargs)
+        policy = load(previous)
 
         samples = sample_completions(
             policy, train_prompts, reward_funcs, processing_class=processing_class, reward_weights=reward_weights,
@@ -176,9 +204,12 @@ def run_topr_loop(
             samples.to_json(str(round_dir / "samples.jsonl"))
         train_data = curate(samples) if curate is not None else samples
         round_args = dataclasses.replace(args, output_dir=str(round_dir), num_train_epochs=1, max_steps=-1)
-        trainer = TOPRTrainer(policy, args=round_args, train_dataset=train_data, processing_class=processing_class)
+        trainer = TOPRTrainer(
+            policy, args=round_args, train_dataset=train_data, processing_class=processing_class,
+            peft_config=peft_config,
+        )  # fmt: skip
         train_loss = trainer.train().training_loss
-        trainer.save_model(str(round_dir))
+        save_for_next_round(trainer, previous, round_dir)
         rewards = list(samples[REWARD])
         record(
             {
