@@ -7,9 +7,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
+from huggingface_hub import CommitInfo, HfApi, RepoUrl  # noqa: E402
+from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
@@ -111,3 +115,27 @@ def conversational_dataset(n: int = 8) -> Dataset:
             "reward": [1.0 if i % 2 == 0 else -1.0 for i in range(n)],
         }
     )
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    """Records what `HfApi` would send: the repos created and, for each upload, the files it would upload."""
+    calls = {"repos": [], "commits": []}
+
+    def create_repo(self, repo_id, **kwargs):
+        calls["repos"].append(repo_id)
+        return RepoUrl(f"https://huggingface.co/{repo_id}")
+
+    def upload_folder(self, *, repo_id, folder_path, ignore_patterns=None, allow_patterns=None, **kwargs):
+        # The selection `upload_folder` makes, with its own filter and default ignore patterns.
+        paths = [str(p.relative_to(folder_path)) for p in Path(folder_path).rglob("*") if p.is_file()]
+        ignore = list(ignore_patterns or []) + DEFAULT_IGNORE_PATTERNS
+        selected = filter_repo_objects(paths, allow_patterns=allow_patterns, ignore_patterns=ignore)
+        files = {path: (Path(folder_path) / path).read_bytes() for path in selected}
+        calls["commits"].append({"repo_id": repo_id, "files": files})
+        url = f"https://huggingface.co/{repo_id}/commit/0"
+        return CommitInfo(commit_url=url, commit_message="", commit_description="", oid="0" * 40)
+
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    return calls

@@ -161,6 +161,13 @@ class TOPRConfig(SFTConfig):
         metadata={"help": "Batch size of the behavior log-prob precompute. Defaults to `per_device_eval_batch_size`."},
     )
 
+    def __getstate__(self):
+        # `Trainer` pickles its arguments to `training_args.bin` next to every saved model and checkpoint, which are
+        # uploaded to the Hub: the pickle never carries the Hub token.
+        state = self.__dict__.copy()
+        state["hub_token"] = None
+        return state
+
     def __post_init__(self):
         super().__post_init__()
         if self.loss_type not in LOSS_TYPES:

@@ -81,6 +81,8 @@ class TOPRGRPOConfig(GRPOConfig):
         default=False, metadata={"help": "Use the mean reward of each prompt's completions as the baseline."}
     )
 
+    __getstate__ = TOPRConfig.__getstate__  # the pickled arguments never carry the Hub token
+
     def __post_init__(self):
         super().__post_init__()
         for name, allowed in zip(("loss_type", "ratio_level", "loss_normalization"),
