@@ -203,7 +203,10 @@ def run_topr_loop(
         if state.is_main_process:
             samples.to_json(str(round_dir / "samples.jsonl"))
         train_data = curate(samples) if curate is not None else samples
-        round_args = dataclasses.replace(args, output_dir=str(round_dir), num_train_epochs=1, max_steps=-1)
+        # the model is loaded here, and the loop's caller publishes the final model: not every round's trainer
+        round_args = dataclasses.replace(
+            args, output_dir=str(round_dir), num_train_epochs=1, max_steps=-1, model_init_kwargs=None, push_to_hub=False
+        )
         trainer = TOPRTrainer(
             policy, args=round_args, train_dataset=train_data, processing_class=processing_class,
             peft_config=peft_config,

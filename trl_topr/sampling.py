@@ -365,6 +365,7 @@ def sample_completions(
         )  # fmt: skip
         if isinstance(model, str):
             model = create_model_from_path(model, **(args.model_init_kwargs or {}))
+        args = dataclasses.replace(args, model_init_kwargs=None)  # the scoring trainer gets the loaded model
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
 
