@@ -1,0 +1,131 @@
+"""recipes/gsm8k.py on a tiny model: real GSM8K rows, the offline arithmetic task, publishing, two processes."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from trl import ModelConfig
+
+from trl_topr import TOPRConfig
+
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+sys.path.insert(0, str(RECIPES))
+
+import gsm8k  # noqa: E402
+
+
+def tiny_run(tiny_model_path, output_dir, **overrides):
+    """Arguments of a seconds-long run: 4 training questions, 2 samples each, 2 test questions."""
+    script = dict(task="arithmetic", num_shots=1, num_train_prompts=4, num_eval_prompts=2, num_samples=2,
+                  max_new_tokens=8, eval_num_samples=2, sampling_batch_size=8, top_k=0)
+    script.update({k: v for k, v in overrides.items() if k in gsm8k.GSM8KArguments.__dataclass_fields__})
+    training = dict(output_dir=str(output_dir), use_cpu=True, bf16=False, report_to="none", learning_rate=1e-3,
+                    per_device_train_batch_size=4, gradient_checkpointing=False, save_strategy="no", logging_steps=1)
+    training.update({k: v for k, v in overrides.items() if k in TOPRConfig.__dataclass_fields__})
+    return gsm8k.GSM8KArguments(**script), TOPRConfig(**training), ModelConfig(model_name_or_path=tiny_model_path)
+
+
+def test_help_documents_every_argument():
+    result = subprocess.run([sys.executable, str(RECIPES / "gsm8k.py"), "--help"], capture_output=True, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for flag in ("--num_samples", "--top_k", "--curation", "--dataset_path", "--loss_type", "--use_peft",
+                 "--load_in_4bit", "--config"):
+        assert flag in result.stdout, flag
+
+
+def test_solution_rewrite_and_few_shot_prompt():
+    answer = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 24"
+    assert gsm8k.solution_text(answer) == "Natalia sold 48/2 = 24 clips in May.\nThe answer is 24."
+    problems = gsm8k.arithmetic_problems()
+    assert len(problems) == 243 and len({p["question"] for p in problems}) == 243
+    prompts = gsm8k.few_shot_prompts(problems[2:4], shots=problems[:2])
+    messages = prompts[0]["prompt"]
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert messages[2]["content"].endswith(f"The answer is {problems[0]['answer'].split('#### ')[1]}.")
+    assert messages[-1]["content"] == problems[2]["question"] and prompts[0]["answer"] == problems[2]["answer"]
+
+
+def test_arithmetic_round_evaluates_before_and_after(tiny_model_path, tmp_path, capsys):
+    rounds = gsm8k.main(*tiny_run(tiny_model_path, tmp_path / "out", curation="anna_karenina"))
+    assert [r["round"] for r in rounds] == [0, 1]
+    assert {"pass@1_greedy", "pass@1", "maj@2", "invalid_rate"} <= set(rounds[0]) & set(rounds[1])
+    assert rounds[1]["num_samples"] == 8 and rounds[1]["num_train_rows"] <= 8  # Anna Karenina drops positives
+    printed = capsys.readouterr().out
+    assert "round 0 = before training" in printed and "| 0 |" in printed and "| 1 |" in printed
+    card = (tmp_path / "out" / "round-1" / "README.md").read_text()
+    assert "GSM8K evaluation per round" in card and "2503.14286" in card
+
+
+@pytest.mark.skipif(not (GSM8K / "train.jsonl").exists(), reason=f"the shared GSM8K data is not present ({GSM8K})")
+def test_real_gsm8k_rows_from_a_local_folder(tiny_model_path, tmp_path):
+    rounds = gsm8k.main(*tiny_run(tiny_model_path, tmp_path / "out", task="gsm8k", dataset_path=str(GSM8K),
+                                  num_shots=2, num_train_prompts=3, max_length=2048))
+    samples = [json.loads(line) for line in (tmp_path / "out" / "round-1" / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 6
+    # the prompts are real GSM8K questions with a 2-shot chain-of-thought context and gold answers
+    train = [json.loads(line) for line in (GSM8K / "train.jsonl").read_text().splitlines()[:5]]
+    assert samples[0]["prompt"][-1]["content"] == train[2]["question"]
+    assert samples[0]["prompt"][2]["content"].endswith(f"The answer is {train[0]['answer'].split('#### ')[1]}.")
+    assert all(s["reward"] in (1.0, -1.0) and s["invalid"] in (0.0, 1.0) for s in samples)
+    assert rounds[1]["invalid_rate"] >= 0.0
+
+
+def test_push_to_hub_uploads_the_final_model_with_the_evaluation_table(hub, tiny_model_path, tmp_path):
+    rounds = gsm8k.main(*tiny_run(tiny_model_path, tmp_path / "topr-gsm8k", push_to_hub=True,
+                                  hub_model_id="someone/topr-gsm8k", hub_token="hf_secretTOKEN0123456789"))
+    assert hub["repos"] == ["someone/topr-gsm8k"]
+    (commit,) = hub["commits"]
+    files = set(commit["files"])
+    assert {"model.safetensors", "config.json", "README.md", "tokenizer.json"} <= files
+    assert "samples.jsonl" not in files
+    card = commit["files"]["README.md"].decode()
+    assert "- topr" in card and "Tapered Off-Policy REINFORCE" in card
+    assert "| round | pass@1_greedy | pass@1 | maj@2 | invalid_rate" in card
+    assert f"| 1 | {rounds[1]['pass@1_greedy']:.3f}" in card
+    for name, content in commit["files"].items():
+        assert b"hf_secretTOKEN" not in content, name
+
+
+RECIPE_WORKER = textwrap.dedent(
+    """
+    import hashlib, sys
+    sys.path.insert(0, {recipes!r}); sys.path.insert(0, {tests!r})
+    from accelerate import PartialState
+    from trl_topr import TOPRTrainer
+    import gsm8k, test_recipe_gsm8k
+
+    save_model = TOPRTrainer.save_model
+    def recording_save_model(self, output_dir=None, _internal_call=False):
+        h = hashlib.sha256()
+        for name, tensor in sorted(self.model.state_dict().items()):
+            h.update(name.encode()); h.update(tensor.detach().float().cpu().numpy().tobytes())
+        with open(f"{{output_dir}}/weights-rank{{PartialState().process_index}}.txt", "w") as f:
+            f.write(h.hexdigest())
+        return save_model(self, output_dir, _internal_call)
+    TOPRTrainer.save_model = recording_save_model
+
+    gsm8k.main(*test_recipe_gsm8k.tiny_run(sys.argv[1], sys.argv[2], per_device_train_batch_size=2))
+    PartialState().destroy_process_group()
+    """
+)
+
+
+def test_recipe_under_accelerate_launch_with_two_processes(tiny_model_path, tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(RECIPE_WORKER.format(recipes=str(RECIPES), tests=str(Path(__file__).parent)))
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               str(script), tiny_model_path, str(tmp_path / "out")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    digests = [(tmp_path / "out" / "round-1" / f"weights-rank{r}.txt").read_text() for r in (0, 1)]
+    assert digests[0] == digests[1]
+    assert "round 0 = before training" in result.stdout
