@@ -261,3 +261,37 @@ def test_weights_stay_finite_and_within_their_window(log_ratio, advantage, loss_
         assert weight <= 1.0
     if loss_type == "positives_only" and advantage < 0:
         assert weight == 0.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    batch=st.integers(1, 4),
+    length=st.sampled_from([1, 2, 7, 64, 2048]),
+    log_ratio_scale=st.sampled_from([0.0, 1.0, 1e2, 1e4]),
+    reward_scale=st.sampled_from([1.0, 1e6]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    loss_type=st.sampled_from(LOSS_TYPES),
+    ratio_level=st.sampled_from(RATIO_LEVELS),
+    normalization=st.sampled_from(LOSS_NORMALIZATIONS),
+    seed=st.integers(0, 2**16),
+)
+def test_any_batch_gives_finite_loss_gradients_and_bounded_weights(
+    batch, length, log_ratio_scale, reward_scale, dtype, loss_type, ratio_level, normalization, seed
+):
+    generator = torch.Generator().manual_seed(seed)
+    logps = (-torch.rand(batch, length, generator=generator) * 20).to(dtype).requires_grad_(True)
+    mask = (torch.rand(batch, length, generator=generator) > 0.3).long()
+    mask[:, 0] = 1  # at least one completion token per row
+    rewards = (torch.rand(batch, generator=generator) * 2 - 1) * reward_scale
+    behavior = logps.detach().float() + torch.randn(batch, length, generator=generator) * log_ratio_scale / length
+    loss, metrics = topr_loss(logps, mask, rewards, behavior, loss_type=loss_type, ratio_level=ratio_level,
+                              loss_normalization=normalization)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert torch.isfinite(logps.grad).all()
+    upper = {"topr": 1.0, "reinforce": 1.0, "tis": 1.0, "positives_only": 1.0}.get(loss_type, math.inf)
+    for name in ("negative_weight_mean", "positive_weight_mean"):
+        value = metrics[name].item()
+        assert math.isnan(value) or 0.0 <= value <= upper * (1 + 1e-6), (name, value)
+    if loss_type == "topr" and not math.isnan(metrics["positive_weight_mean"].item()):
+        assert metrics["positive_weight_mean"].item() == 1.0

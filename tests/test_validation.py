@@ -81,6 +81,16 @@ CASES = {
         "column 'prompt', row 2",
         "list of messages",
     ),
+    "unknown role": (
+        lambda: replace(conversational_dataset(), "prompt", 3, [{"role": "usr", "content": "What is 1 + 3?"}]),
+        "column 'prompt', row 3",
+        "unknown role 'usr'",
+    ),
+    "reward is a list": (
+        lambda: standard_dataset().remove_columns("reward").add_column("reward", [[1.0]] * 8),
+        "column 'reward', row 0",
+        "expected a number",
+    ),
     "mixed standard and conversational columns": (
         lambda: standard_dataset().remove_columns("completion").add_column(
             "completion", conversational_dataset()["completion"]
@@ -136,10 +146,14 @@ def test_target_fraction_needs_two_reward_values(tiny_model_path, tmp_path):
         TOPRTrainer(tiny_model_path, args=make_args(tmp_path, target_positive_fraction=0.2), train_dataset=dataset)
 
 
-@pytest.mark.parametrize("rewards", [[-1.0] * 8, [1.0] * 8, [1.0], [-1.0, -1.0]])
-def test_one_sided_and_tiny_datasets_train(rewards, tiny_model_path, tmp_path):
-    # All-negative, all-positive and single-row data are legal: TOPR pushes down / SFTs what it has.
-    dataset = standard_dataset(len(rewards)).remove_columns("reward").add_column("reward", rewards)
+@pytest.mark.parametrize("rewards", [[-1.0] * 8, [1.0] * 8, [1.0], [-1.0, -1.0], "duplicated"])
+def test_one_sided_tiny_and_duplicated_datasets_train(rewards, tiny_model_path, tmp_path):
+    # All-negative, all-positive, single-row and duplicated data are legal: TOPR pushes down / SFTs what it has, and
+    # a duplicated row simply counts twice.
+    if rewards == "duplicated":
+        dataset = Dataset.from_list(standard_dataset(2).to_list() * 4)
+    else:
+        dataset = standard_dataset(len(rewards)).remove_columns("reward").add_column("reward", rewards)
     trainer = TOPRTrainer(tiny_model_path, args=make_args(tmp_path, max_steps=2), train_dataset=dataset)
     trainer.train()
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]

@@ -36,6 +36,10 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool)
 
 
+# Roles chat templates know. Another role (a typo such as "usr") would be rendered as is and train on a wrong prompt.
+KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def _check_text(value: Any, conversational: bool, dataset_name: str, column: str, row: int, allow_empty: bool):
     if conversational:
         if not isinstance(value, list) or not all(
@@ -49,6 +53,9 @@ def _check_text(value: Any, conversational: bool, dataset_name: str, column: str
                 f"expected a list of messages with string 'role' and 'content' (row 0's prompt is conversational), "
                 f"got {value!r}.",
             )
+        unknown = [m["role"] for m in value if m["role"] not in KNOWN_ROLES]
+        if unknown:
+            raise _fail(dataset_name, column, row, f"unknown role {unknown[0]!r}: expected one of {KNOWN_ROLES}.")
         if not allow_empty and not any(m["content"] for m in value):
             raise _fail(dataset_name, column, row, "empty completion: there is nothing to train on.")
     else:
