@@ -185,6 +185,8 @@ def topr_loss(
     Returns:
         `tuple[torch.Tensor, dict[str, torch.Tensor]]`: the scalar loss and a dict of detached scalar metrics
         (`nan` where a metric is undefined for the batch, e.g. the negative weight of a batch without negatives).
+        The `count/...` entries say how many sequences, tokens or how much |R - c| each mean is over
+        (`METRIC_SUPPORT`), so that means of several batches combine exactly.
 
     Example:
     ```python
@@ -251,6 +253,21 @@ def topr_loss(
     return loss, metrics
 
 
+# What each averaged metric is a mean over: the `count/...` metric holding that number in the same batch. Weighting
+# each batch's mean by it combines batches (gradient accumulation, processes, logging steps) into the exact mean.
+METRIC_SUPPORT = {
+    "reward": "count/sequences",
+    "positive_fraction": "count/sequences",
+    "baseline": "count/sequences",
+    "completion_length": "count/sequences",
+    "effective_positive_fraction": "count/abs_advantage",
+    "positive_weight_mean": "count/positive_items",
+    "negative_weight_mean": "count/negative_items",
+    "negative_tapered_fraction": "count/negative_items",
+    "log_ratio_mean": "count/items",
+}
+
+
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     count = mask.sum()
     return (values * mask).sum() / count if count > 0 else values.new_tensor(math.nan)
@@ -279,4 +296,10 @@ def _metrics(rewards, advantages, baseline, weights, log_ratio, mask, lengths, r
         "log_ratio_min": valid_log_ratio.min() if valid_log_ratio.numel() else nan,
         "log_ratio_max": valid_log_ratio.max() if valid_log_ratio.numel() else nan,
         "completion_length": lengths.mean(),
+        # what the means above average over (items are sequences, or tokens for `ratio_level="token"`)
+        "count/sequences": lengths.new_tensor(float(lengths.numel())),
+        "count/abs_advantage": absolute,
+        "count/positive_items": positive_items.sum(),
+        "count/negative_items": negative_items.sum(),
+        "count/items": valid.sum(),
     }

@@ -198,6 +198,7 @@ class TOPRGRPOTrainer(GRPOTrainer):
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux_loss / normalizer
         del metrics["reward"], metrics["completion_length"]  # GRPO logs them ("reward", "completions/mean_length")
+        metrics = {name: value for name, value in metrics.items() if not name.startswith("count/")}
         metrics["baseline"] = inputs["baselines"].float().nanmean()
         metrics["entropy"] = (entropies.detach() * mask).sum() / mask.sum().clamp(min=1)
         names = list(metrics)

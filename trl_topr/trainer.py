@@ -22,7 +22,7 @@ from trl.trainer.utils import get_config_model_id, hash_module
 from .composition import baseline_for_positive_fraction
 from .config import TOPRConfig
 from .data import BEHAVIOR_LOGPS, REWARD, DataCollatorForTOPR, check_and_truncate_tokens, validate_and_standardize
-from .loss import topr_loss
+from .loss import METRIC_SUPPORT, topr_loss
 
 
 logger = get_logger(__name__)
@@ -320,6 +320,7 @@ class TOPRTrainer(SFTTrainer):
         )
         entropy = outputs.entropy[:, -per_token_logps.size(1) :].detach()
         metrics["entropy"] = (entropy * completion_mask).sum() / completion_mask.sum().clamp(min=1)
+        metrics["count/tokens"] = completion_mask.sum().float()
         self._record_metrics(mode, metrics)
         return (loss, outputs) if return_outputs else loss
 
@@ -341,12 +342,21 @@ class TOPRTrainer(SFTTrainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"
         prefix = "eval_" if mode == "eval" else ""
-        for name, values in self._metrics[mode].items():
-            values = [v for v in values if not math.isnan(v)]  # e.g. no negatives in a batch
-            if not values:
+        metrics = self._metrics[mode]
+        for name, values in metrics.items():
+            if name.startswith("count/"):
                 continue
-            reduce = min if name.endswith("_min") else max if name.endswith("_max") else None
-            logs[prefix + name] = reduce(values) if reduce else sum(values) / len(values)
+            if name.endswith(("_min", "_max")):
+                values = [v for v in values if not math.isnan(v)]  # e.g. no negatives in a batch
+                if values:
+                    logs[prefix + name] = (min if name.endswith("_min") else max)(values)
+                continue
+            # Each micro-batch's mean weighted by what it averages over: the exact mean over the logging interval,
+            # however the batches were split across processes and accumulation steps.
+            support = metrics[METRIC_SUPPORT.get(name, "count/tokens" if name == "entropy" else "count/sequences")]
+            pairs = [(v, w) for v, w in zip(values, support, strict=True) if w > 0 and not math.isnan(v)]
+            if pairs:
+                logs[prefix + name] = sum(v * w for v, w in pairs) / sum(w for _, w in pairs)
         self._metrics[mode].clear()
         super(SFTTrainer, self).log(logs, start_time)
 
