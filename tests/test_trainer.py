@@ -2,6 +2,7 @@
 
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -309,3 +310,26 @@ def test_evaluate_prepares_a_new_raw_dataset(tiny_model_path, tmp_path):
     assert metrics["eval_log_ratio_mean"] == pytest.approx(0.0, abs=1e-5)  # mu = the current model
     with pytest.raises(TOPRDataError, match="column 'score', row 0"):
         trainer.evaluate(raw.remove_columns("score").add_column("score", [math.nan] * 4))
+
+
+def test_resume_true_skips_a_half_written_checkpoint(tiny_model_path, tmp_path):
+    def trainer(callbacks=None):
+        args = make_args(tmp_path, max_steps=6, save_strategy="steps", save_steps=2, per_device_train_batch_size=2)
+        return TOPRTrainer(tiny_model_path, args=args, train_dataset=standard_dataset(), callbacks=callbacks)
+
+    trainer(callbacks=[StopAt(4)]).train()
+    (tmp_path / "checkpoint-4" / "trainer_state.json").unlink()  # killed while writing checkpoint-4
+    ran = []
+
+    class Count(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            ran.append(state.global_step)
+
+    resumed = trainer(callbacks=[Count()])
+    resumed.train(resume_from_checkpoint=True)
+    assert ran == [3, 4, 5, 6]  # resumed after checkpoint-2: neither from the partial checkpoint-4 nor from scratch
+    (tmp_path / "checkpoint-2").rename(tmp_path / "checkpoint-x")
+    for folder in tmp_path.glob("checkpoint-*"):
+        shutil.rmtree(folder)
+    with pytest.raises(ValueError, match="No complete checkpoint"):
+        trainer().train(resume_from_checkpoint=True)

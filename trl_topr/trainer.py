@@ -1,5 +1,6 @@
 import contextlib
 import copy
+import json
 import math
 import os
 import textwrap
@@ -13,6 +14,7 @@ from datasets import Dataset, concatenate_datasets, is_caching_enabled
 from datasets.fingerprint import Hasher
 from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import is_bitsandbytes_available
 from trl import SFTTrainer
 from trl.models.utils import disable_gradient_checkpointing
@@ -199,6 +201,38 @@ class TOPRTrainer(SFTTrainer):
         dataset = super()._prepare_dataset(dataset, processing_class, untruncated, False, None, dataset_name)
         dataset = check_and_truncate_tokens(dataset, args.max_length, dataset_name)
         return dataset.shuffle(seed=args.seed) if args.shuffle_dataset else dataset
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
+        """
+        Train, as [`~transformers.Trainer.train`]. With `resume_from_checkpoint=True`, resume from the latest *complete*
+        checkpoint of `args.output_dir`: a checkpoint folder left half-written by a killed run is skipped.
+
+        Args:
+            resume_from_checkpoint (`str` or `bool`, *optional*):
+                A checkpoint folder, or `True` for the latest complete one in `args.output_dir`.
+            **kwargs (`Any`):
+                Other arguments of [`~transformers.Trainer.train`].
+
+        Returns:
+            [`~transformers.trainer_utils.TrainOutput`]: the training step count, loss and metrics.
+        """
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = self._latest_complete_checkpoint()
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    def _latest_complete_checkpoint(self) -> str:
+        # `trainer_state.json` is the last file a checkpoint writes: a folder without a matching one is partial.
+        folders = sorted(Path(self.args.output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*"),
+                         key=lambda p: int(p.name.rsplit("-", 1)[1]) if p.name.rsplit("-", 1)[1].isdigit() else -1)
+        for folder in reversed(folders):
+            try:
+                state = json.loads((folder / "trainer_state.json").read_text())
+            except (OSError, ValueError):
+                logger.warning(f"Skipping the incomplete checkpoint {folder}.")
+                continue
+            if f"{PREFIX_CHECKPOINT_DIR}-{state.get('global_step')}" == folder.name:
+                return str(folder)
+        raise ValueError(f"No complete checkpoint to resume from in {self.args.output_dir}.")
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """
