@@ -2,7 +2,6 @@
 
 import dataclasses
 import json
-import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path

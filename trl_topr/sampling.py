@@ -25,7 +25,7 @@ from accelerate.utils import gather_object
 from datasets import Dataset
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, set_seed
-from trl.data_utils import _tokenize, is_conversational
+from trl.data_utils import _tokenize
 from trl.trainer.utils import create_model_from_path
 
 from .config import TOPRConfig
