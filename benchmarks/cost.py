@@ -140,11 +140,10 @@ def worker(spec: dict) -> dict:
 
 def behavior_logps(folder: str, rows: dict, spec: dict) -> list:
     """Per-token log-probs of the completions under the initial model, as TOPRTrainer computes them (not shuffled)."""
-    from datasets import Dataset, disable_caching
+    from datasets import Dataset  # in memory: no cache files (and this runs in the caller's process)
 
     from trl_topr import TOPRConfig, TOPRTrainer
 
-    disable_caching()
     trainer = TOPRTrainer(folder, args=TOPRConfig(**common_args(spec)), train_dataset=Dataset.from_dict(rows))
     return [list(v) for v in trainer.train_dataset["behavior_logps"]]
 

@@ -235,7 +235,11 @@ def test_dataset_from_files_caches_behavior_logps(tiny_model_path, tmp_path):
     first = TOPRTrainer(tiny_model_path, args=make_args(tmp_path / "a"), train_dataset=dataset)
     second = TOPRTrainer(tiny_model_path, args=make_args(tmp_path / "b"), train_dataset=dataset)
     assert first.train_dataset["behavior_logps"] == second.train_dataset["behavior_logps"]
-    assert any(f.startswith("cache-") for f in os.listdir(os.path.dirname(dataset.cache_files[0]["filename"])))
+    folder = os.path.dirname(dataset.cache_files[0]["filename"])
+    cached = [Dataset.from_file(os.path.join(folder, f)) for f in os.listdir(folder) if f.startswith("cache-")]
+    behavior_files = [d for d in cached if d.column_names == ["behavior_logps"]]
+    assert len(behavior_files) == 1  # written once, by the first trainer, read by the second
+    assert list(behavior_files[0]["behavior_logps"]) == list(first.train_dataset["behavior_logps"])
 
 
 def test_qlora_gradients_match_the_dequantized_model(tmp_path):
