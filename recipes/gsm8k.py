@@ -143,7 +143,7 @@ def evaluation_table(rounds: list[dict]) -> str:
 def publish(folder: Path, rounds: list[dict], script_args: GSM8KArguments, training_args: TOPRConfig) -> None:
     """Add the per-round evaluation and the recipe's settings to the model card, and upload the folder to the Hub."""
     card = folder / "README.md"
-    settings = {k: v for k, v in vars(script_args).items()}
+    settings = dict(vars(script_args))
     settings.update({k: getattr(training_args, k) for k in ("loss_type", "ratio_level", "loss_normalization",
                                                             "baseline", "target_positive_fraction", "learning_rate")})
     card.write_text(
