@@ -38,29 +38,38 @@ def test_evaluate_policy_counts_greedy_sampled_majority_and_invalid(tiny_model_p
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     metrics = evaluate_policy(model, tokenizer, prompts(3), correct, last_number, num_samples=3, max_new_tokens=8,
                               progress=False)
-    assert set(metrics) == {"pass@1_greedy", "pass@1", "maj@3", "invalid_rate", "invalid_rate_greedy"}
-    assert all(0.0 <= v <= 1.0 for v in metrics.values())
+    assert set(metrics) == {"pass@1_greedy", "pass@1", "maj@3", "invalid_rate", "invalid_rate_greedy",
+                            "truncated_rate", "mean_length"}
+    assert all(0.0 <= v <= 1.0 for k, v in metrics.items() if k != "mean_length")
+    assert 1.0 <= metrics["mean_length"] <= 8.0
     # an answer function that never finds an answer: everything invalid, no majority
     none = evaluate_policy(model, tokenizer, prompts(2), correct, lambda t: None, num_samples=2, max_new_tokens=4,
                            progress=False)
     assert none["invalid_rate"] == 1.0 and none["maj@2"] == 0.0
 
 
-def test_evaluate_policy_majority_vote_is_exact(tiny_model_path, monkeypatch):
+def test_evaluate_policy_majority_vote_and_truncation_are_exact(tiny_model_path, monkeypatch):
     # Scripted generations: prompt 0's samples answer 3, 3, 9 (majority 3, correct); prompt 1's 9, 9, 4 (wrong).
     import trl_topr.evaluation as evaluation
 
+    # Token ids: samples 1 and 4 run to max_new_tokens=4 without EOS (truncated), sample 2 ends with EOS at the limit.
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    eos = tokenizer.eos_token_id
     scripted = {0: ["3", "9"], 3: ["3", "3", "9", "9", "9", "4"]}
+    ids = [[5, eos], [5, 6, 7, 8], [5, 6, 7, eos], [5, eos], [5, 6, 7, 8], [eos]]
 
     def fake_generate(model, tokenizer, prompts, num_samples=1, **kwargs):
-        return list(scripted[0 if num_samples == 1 else 3]), None, 0.0
+        return list(scripted[0 if num_samples == 1 else 3]), ids[: len(prompts) * num_samples], 0.0
 
     monkeypatch.setattr(evaluation, "generate_completions", fake_generate)
-    metrics = evaluate_policy(None, None, prompts(2), correct, last_number, num_samples=3, progress=False)
+    metrics = evaluate_policy(None, tokenizer, prompts(2), correct, last_number, num_samples=3, max_new_tokens=4,
+                              progress=False)
     assert metrics["pass@1_greedy"] == 0.5
     assert metrics["pass@1"] == pytest.approx(3 / 6)
     assert metrics["maj@3"] == 0.5
     assert metrics["invalid_rate"] == 0.0
+    assert metrics["truncated_rate"] == pytest.approx(2 / 6)
+    assert metrics["mean_length"] == pytest.approx((2 + 4 + 4 + 2 + 4 + 1) / 6)
 
 
 def test_loop_runs_rounds_writes_metrics_and_resumes(tiny_model_path, tmp_path):

@@ -1,4 +1,4 @@
-"""Evaluation of a policy on held-out prompts: pass@1 (greedy and sampled), maj@k and invalid rate."""
+"""Evaluation of a policy on held-out prompts: pass@1 (greedy and sampled), maj@k, invalid and truncated rates."""
 
 from collections import Counter
 from collections.abc import Callable
@@ -7,7 +7,7 @@ from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, set_seed
 
 from .data import PROMPT
-from .sampling import generate_completions, score_completions
+from .sampling import end_of_sequence_ids, generate_completions, score_completions
 
 
 def _text(completion) -> str:
@@ -66,7 +66,8 @@ def evaluate_policy(
     Returns:
         `dict[str, float]`: `pass@1_greedy` (greedy accuracy), `pass@1` (mean accuracy of the samples),
         `maj@k` (accuracy of the most frequent valid answer among the k samples), `invalid_rate` (share of samples
-        without a final answer) and `invalid_rate_greedy`.
+        without a final answer), `invalid_rate_greedy`, and two signs of degeneration: `truncated_rate` (share of
+        samples that reach `max_new_tokens` without ending) and `mean_length` (mean sample length in tokens).
     """
     prompts = list(dataset[PROMPT])
     columns = {c: list(dataset[c]) for c in dataset.column_names if c != PROMPT}
@@ -80,7 +81,7 @@ def evaluate_policy(
     settings = dict(max_new_tokens=max_new_tokens, batch_size=batch_size, progress=progress)
     greedy, _, _ = generate_completions(model, processing_class, prompts, temperature=0, **settings)
     set_seed(seed)
-    sampled, _, _ = generate_completions(
+    sampled, sampled_ids, _ = generate_completions(
         model, processing_class, prompts, num_samples=num_samples, temperature=temperature, top_p=top_p, top_k=top_k,
         **settings,
     )  # fmt: skip
@@ -97,6 +98,8 @@ def evaluate_policy(
         winner = votes.most_common(1)[0][0]
         majority_correct.append(next(sampled_correct[j] for j in group if sampled_answers[j] == winner))
 
+    eos_ids = end_of_sequence_ids(model, processing_class)
+
     def mean(values):
         return sum(values) / len(values) if values else 0.0
 
@@ -106,4 +109,6 @@ def evaluate_policy(
         f"maj@{num_samples}": mean(majority_correct),
         "invalid_rate": mean([answer is None for answer in sampled_answers]),
         "invalid_rate_greedy": mean([answer_func(_text(c)) is None for c in greedy]),
+        "truncated_rate": mean([len(ids) >= max_new_tokens and ids[-1] not in eos_ids for ids in sampled_ids]),
+        "mean_length": mean([len(ids) for ids in sampled_ids]),
     }

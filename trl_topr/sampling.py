@@ -231,16 +231,23 @@ def generate_completions(
     return gather_object(completions), gather_object(sequences), sum(gather_object([tokens_per_s]))
 
 
+def end_of_sequence_ids(model: PreTrainedModel | None, processing_class: PreTrainedTokenizerBase) -> set[int]:
+    """The token ids that end a generation: the tokenizer's EOS and those of the model's generation config."""
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    eos_ids = {tokenizer.eos_token_id}
+    if model is not None and model.generation_config.eos_token_id is not None:
+        configured = model.generation_config.eos_token_id
+        eos_ids |= set(configured if isinstance(configured, list) else [configured])
+    return eos_ids
+
+
 @torch.no_grad()
 def _generate_local(
     model, processing_class, prompts, *, num_samples, temperature, top_p, top_k, max_new_tokens, batch_size, seed,
     vllm_engine, progress,
 ):
     tokenizer = getattr(processing_class, "tokenizer", processing_class)
-    eos_ids = {tokenizer.eos_token_id}
-    if model is not None and model.generation_config.eos_token_id is not None:
-        configured = model.generation_config.eos_token_id
-        eos_ids |= set(configured if isinstance(configured, list) else [configured])
+    eos_ids = end_of_sequence_ids(model, processing_class)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     greedy = temperature == 0
     sequences, start = [], time.perf_counter()
