@@ -1,16 +1,22 @@
-"""Smoke test of benchmarks/cost.py: it runs and prints a table with ratio columns (its numbers are not checked:
-speed and memory are measured by the benchmark itself, side by side, never by timed unit tests)."""
+"""Smoke tests of the benchmarks: each runs and prints its table (their numbers are not checked: speed, memory and
+learning are measured by the benchmarks themselves, side by side, never by timed or seeded unit tests)."""
 
 import importlib.util
+import json
 from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_cost_benchmark_prints_ratio_table(capsys):
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cost.py"
-    spec = importlib.util.spec_from_file_location("cost_benchmark", path)
-    cost = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cost)
-    table = cost.main(["--quick", "--steps", "2", "--lengths", "16", "--batches", "2"])
+    table = load("cost").main(["--quick", "--steps", "2", "--lengths", "16", "--batches", "2"])
     out = capsys.readouterr().out
     assert table in out
     header, _rule, *rows = table.splitlines()
@@ -18,3 +24,26 @@ def test_cost_benchmark_prints_ratio_table(capsys):
         assert column in header
     assert len(rows) == 1 and rows[0].startswith("| 16 | 2 |")
     assert len(rows[0].split("|")) == len(header.split("|"))
+
+
+def test_learning_benchmark_runs_every_method(capsys, tmp_path):
+    learning = load("learning")
+    table = learning.main(["--scale", "fast", "--quick", "--out", str(tmp_path)])
+    assert table in capsys.readouterr().out
+    header, _rule, mu_row, *rows = table.split("\n\n")[0].splitlines()
+    assert "Δ greedy vs topr" in header and mu_row.startswith("| mu (epoch 0) |")
+    assert [row.split("|")[1].strip() for row in rows] == list(learning.METHODS)
+    results = json.loads((tmp_path / "results.json").read_text())
+    for method in learning.METHODS:
+        (epoch,) = results["methods"][method][0]  # one seed, one epoch
+        assert {"pass@1_greedy", "invalid_rate", "truncated_rate", "logp_positive", "logp_negative"} <= set(epoch)
+    assert (tmp_path / "learning.png").stat().st_size > 0 and (tmp_path / "table.md").exists()
+
+
+def test_sampling_benchmark_prints_ratio_table(capsys):
+    table = load("sampling").main(["--quick", "--reps", "1", "--max_new_tokens", "4"])
+    assert table in capsys.readouterr().out
+    header, _rule, *rows = table.splitlines()
+    assert "ratio" in header
+    assert [row.split("|")[1].strip() for row in rows] == ["sampling", "precompute"]
+    assert all(float(row.split("|")[4]) > 0 for row in rows)

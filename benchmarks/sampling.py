@@ -1,0 +1,163 @@
+"""Throughput of trl-topr's sampler and behavior-log-prob precompute against plain transformers on the same batches.
+
+    python benchmarks/sampling.py            # SmolLM2-135M-Instruct, the README's one-shot arithmetic prompts: ~5 min
+    python benchmarks/sampling.py --quick    # conftest's tiny Llama: seconds (tests/test_benchmarks.py)
+
+In one process, on the same model, prompts and batches, alternating A and B --reps times (medians reported):
+  sampling    A: `generate_completions` (prompt tokenization, left padding, generate, cut at EOS, decode)
+              B: the same batches through `tokenizer.pad` + `model.generate` directly, same seed and settings
+  precompute  A: TOPRTrainer's behavior-log-prob precompute (weights hash, dataloader, autocast, fused LM head, gather)
+              B: a plain loop `model(input_ids, attention_mask)` + log_softmax + gather over the same collated batches
+Tokens/s counts generated tokens (sampling) and all tokens of the scored sequences (precompute).
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def prompts_and_model(quick: bool, work: str):
+    if quick:
+        sys.path.insert(0, str(ROOT / "tests"))
+        from conftest import build_tiny_model
+
+        folder = build_tiny_model(str(Path(work) / "tiny"))
+        return [[{"role": "user", "content": f"What is {i} + 3?"}] for i in range(16)], folder
+    sys.path.insert(0, str(ROOT / "recipes"))
+    from gsm8k import arithmetic_problems, few_shot_prompts
+
+    from trl_topr.scripts.utils import smollm2_path
+
+    problems = arithmetic_problems(0)
+    return list(few_shot_prompts(problems[1:33], problems[:1])["prompt"]), smollm2_path()
+
+
+def direct_generate(model, tokenizer, prompts, *, num_samples, max_new_tokens, batch_size, seed):
+    """Plain transformers: what a user would write without the sampler."""
+    import torch
+    from transformers import set_seed
+
+    set_seed(seed)
+    generated = 0
+    with torch.no_grad():
+        for first in range(0, len(prompts), batch_size):
+            texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
+                     for p in prompts[first : first + batch_size]]
+            inputs = tokenizer(texts, padding=True, padding_side="left", return_tensors="pt", add_special_tokens=False)
+            out = model.generate(**inputs, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                                 max_new_tokens=max_new_tokens, num_return_sequences=num_samples,
+                                 pad_token_id=tokenizer.pad_token_id)[:, inputs["input_ids"].size(1):]
+            ended = (out == tokenizer.eos_token_id).int()
+            # tokens up to and including the first EOS (all of them when there is none)
+            lengths = torch.where(ended.any(-1), ended.argmax(-1) + 1, torch.full_like(ended[:, 0], out.size(1)))
+            generated += int(lengths.sum())
+    return generated
+
+
+def direct_forward(model, batches, autocast):
+    import torch
+
+    tokens = 0
+    with torch.no_grad(), autocast():
+        for batch in batches:
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+            logps = torch.log_softmax(logits.float(), -1).gather(-1, batch["input_ids"][:, 1:].unsqueeze(-1))
+            (logps.squeeze(-1) * (batch["labels"][:, 1:] != -100)).sum(-1).tolist()
+            tokens += int(batch["attention_mask"].sum())
+    return tokens
+
+
+def main(argv=None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model (seconds)")
+    parser.add_argument("--reps", type=int, default=3, help="alternating repetitions of each pair")
+    parser.add_argument("--num_samples", type=int, default=4)
+    parser.add_argument("--max_new_tokens", type=int, default=32)
+    parser.add_argument("--batch_size", type=int, default=16, help="prompts per generate call / rows per forward")
+    args = parser.parse_args(argv)
+
+    import torch
+    from datasets import disable_caching
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    from trl_topr import TOPRConfig, TOPRTrainer, generate_completions
+    from trl_topr.data import BEHAVIOR_LOGPS
+
+    disable_caching()
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as work:
+        prompts, folder = prompts_and_model(args.quick, work)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        settings = {"num_samples": args.num_samples, "max_new_tokens": args.max_new_tokens,
+                    "batch_size": args.batch_size}
+        times = {"sampler": [], "generate": [], "precompute": [], "forward": []}
+        tokens = {}
+        for rep in range(args.reps):
+            for name in (["sampler", "generate"] if rep % 2 == 0 else ["generate", "sampler"]):
+                start = time.perf_counter()
+                if name == "sampler":
+                    torch.manual_seed(rep)
+                    _, ids, _ = generate_completions(model, tokenizer, prompts, temperature=1.0, top_k=0,
+                                                     progress=False, **settings)
+                    tokens[name] = sum(map(len, ids))
+                else:
+                    tokens[name] = direct_generate(model, tokenizer, prompts, seed=rep, **settings)
+                times[name].append(time.perf_counter() - start)
+
+        # The sampled completions, scored by the trainer's precompute and by a plain forward loop.
+        torch.manual_seed(0)
+        completions, _, _ = generate_completions(model, tokenizer, prompts, temperature=1.0, top_k=0, progress=False,
+                                                 **settings)
+        from datasets import Dataset
+
+        rows = Dataset.from_dict({"prompt": [p for p in prompts for _ in range(args.num_samples)],
+                                  "completion": completions, "reward": [1.0] * len(completions)})
+        config = TOPRConfig(output_dir=str(Path(work) / "out"), use_cpu=not torch.cuda.is_available(), bf16=True,
+                            report_to="none", precompute_behavior_batch_size=args.batch_size)
+        trainer = TOPRTrainer(model, args=config, train_dataset=rows, processing_class=tokenizer)
+        tokenized = trainer.train_dataset.remove_columns(BEHAVIOR_LOGPS)
+        collator = DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id)
+        columns = tokenized.select_columns(["input_ids", "labels"])
+        batches = [collator([columns[j] for j in range(i, min(i + args.batch_size, len(columns)))])
+                   for i in range(0, len(columns), args.batch_size)]
+        for rep in range(args.reps):
+            for name in (["precompute", "forward"] if rep % 2 == 0 else ["forward", "precompute"]):
+                start = time.perf_counter()
+                if name == "precompute":
+                    del trainer._initial_model_hash  # the weights hash is part of the precompute's cost
+                    trainer._maybe_precompute_behavior_logps(tokenized, "train")
+                    tokens[name] = sum(map(len, tokenized["input_ids"]))
+                else:
+                    tokens[name] = direct_forward(model, batches, trainer.accelerator.autocast)
+                times[name].append(time.perf_counter() - start)
+
+    rate = {name: tokens[name] / statistics.median(t) for name, t in times.items()}
+    header = ["stage", "trl-topr tokens/s", "plain transformers tokens/s", "ratio (target >= 0.9)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+             f"| sampling | {rate['sampler']:.0f} | {rate['generate']:.0f} | {rate['sampler'] / rate['generate']:.2f} |",
+             f"| precompute | {rate['precompute']:.0f} | {rate['forward']:.0f} | "
+             f"{rate['precompute'] / rate['forward']:.2f} |"]
+    table = "\n".join(lines)
+    model_name = "tiny 2-layer Llama (conftest)" if args.quick else "SmolLM2-135M-Instruct"
+    device = "CUDA" if torch.cuda.is_available() else "CPU"
+    print(f"{model_name}, fp32 weights, {device}: {len(prompts)} prompts x {args.num_samples} samples, "
+          f"{args.max_new_tokens} new tokens, batch {args.batch_size}; precompute in bf16 autocast; "
+          f"median of {args.reps} alternating reps; tokens per rep: "
+          + ", ".join(f"{name} {count}" for name, count in tokens.items()) + "\n")
+    print(table)
+    return table
+
+
+if __name__ == "__main__":
+    main()
