@@ -261,7 +261,7 @@ def summarize(results: dict) -> str:
     topr_final = statistics.fmean(run[-1]["pass@1_greedy"] for run in results["methods"]["topr"])
     header = ["method", *[f"greedy e{e + 1}" for e in range(epochs)], *[name for _, name in COLUMNS[1:]], "Δ greedy vs topr"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines.append("| mu (epoch 0) | " + " | ".join([f"{mu['pass@1_greedy']:.3f}"] * epochs) + " | "
+    lines.append("| mu (epoch 0) | " + " | ".join([f"{mu['pass@1_greedy']:.3f}"] + [""] * (epochs - 1)) + " | "
                  + " | ".join(f"{mu[k]:.{1 if k.startswith(('logp', 'mean')) else 3}f}" for k, _ in COLUMNS[1:]) + " | |")
     for method in methods:
         runs = results["methods"][method]
