@@ -6,7 +6,7 @@ per-token TOPR, a target_positive_fraction sweep) and TRL's KTOTrainer and DPOTr
     python benchmarks/learning.py --scale fast --quick    # smoke run: every method, one short epoch (tests/test_benchmarks.py)
 
 1. Behavior policy mu. fast: a tiny Llama (conftest's tokenizer) trained briefly with SFT to reverse 4 digits
-   ("rev 3 9 1 4 =" -> " 4 1 9 3"), stopped at a low accuracy (~8% of its samples correct: imbalanced data).
+   ("rev 3 9 1 4 =" -> " 4 1 9 3"), stopped at a middling accuracy (~15% of its samples correct: imbalanced data).
    real: SmolLM2-135M-Instruct as it is, on the README's embedded task, single-digit "What is a op b?" questions with
    a one-shot GSM8K-style prompt (~40% of its samples correct: balanced data).
 2. One dataset: `sample_completions` draws `num_samples` completions per training prompt from mu at temperature 1
@@ -57,13 +57,15 @@ SCALES = {
 }
 QUICK = {"prompts": 16, "num_samples": 4, "eval": 4, "k": 1, "epochs": 1, "seeds": 1, "batch": 4}
 PROBE_ROWS = 64  # positive and negative training rows whose log-probs are tracked
+PRETRAIN_ROWS = 2048  # SFT rows of the fast scale's behavior policy
 
 
 # ---------------------------------------------------------------------------------------------------------------- tasks
-def reversal_rows(n: int, rng: random.Random) -> list[dict]:
+def reversal_rows(numbers: list[int]) -> list[dict]:
+    """Reversal prompts of 4-digit strings ("rev 0 3 9 1 =" -> "1 9 3 0"), one per number in [0, 10000)."""
     rows = []
-    for _ in range(n):
-        digits = [str(rng.randrange(10)) for _ in range(4)]
+    for number in numbers:
+        digits = list(f"{number:04d}")
         rows.append({"prompt": "rev " + " ".join(digits) + " =", "answer": " ".join(reversed(digits))})
     return rows
 
@@ -78,9 +80,10 @@ def reversal_reward(prompts, completions, answer, **kwargs) -> list[float]:
     return [1.0 if reversal_answer(c) == a else -1.0 for c, a in zip(completions, answer)]
 
 
-def pretrain_reverser(folder: str, rng: random.Random) -> str:
-    """A tiny Llama that reverses 4 digits at a low accuracy: the fast scale's behavior policy. (160 steps: ~13% greedy,
-    ~10% sampled on held-out prompts; the task is learnt abruptly, 100% after 240 steps.)"""
+def pretrain_reverser(folder: str, numbers: list[int]) -> str:
+    """A tiny Llama that reverses 4 digits at a middling accuracy: the fast scale's behavior policy. The task is learnt
+    abruptly: on held-out strings, 120 SFT steps give 36% greedy / 4% sampled accuracy, 130 steps 66% / 15%, 160 steps
+    100% / 74%."""
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import build_tiny_model
     from datasets import Dataset
@@ -88,10 +91,10 @@ def pretrain_reverser(folder: str, rng: random.Random) -> str:
     from trl import SFTConfig, SFTTrainer
 
     build_tiny_model(folder, hidden_size=64)
-    rows = reversal_rows(2048, rng)
+    rows = reversal_rows(numbers)
     data = Dataset.from_list([{"prompt": r["prompt"], "completion": " " + r["answer"]} for r in rows])
     args = SFTConfig(output_dir=str(Path(folder) / "sft"), use_cpu=True, bf16=False, report_to="none", seed=0,
-                     max_steps=160, per_device_train_batch_size=32, learning_rate=3e-3, save_strategy="no",
+                     max_steps=130, per_device_train_batch_size=32, learning_rate=3e-3, save_strategy="no",
                      logging_steps=10**6, gradient_checkpointing=False, disable_tqdm=True)
     trainer = SFTTrainer(folder, args=args, train_dataset=data)
     trainer.remove_callback(PrinterCallback)
@@ -107,8 +110,11 @@ def setup(scale: str, work: str, quick: bool) -> dict:
     rng = random.Random(0)
     settings = dict(SCALES[scale], **(QUICK if quick else {}))
     if scale == "fast":
-        model = pretrain_reverser(str(Path(work) / "mu"), rng)
-        train, held_out = reversal_rows(settings["prompts"], rng), reversal_rows(settings["eval"], rng)
+        # disjoint strings for mu's SFT, the training prompts and the held-out prompts
+        numbers = rng.sample(range(10**4), PRETRAIN_ROWS + settings["prompts"] + settings["eval"])
+        model = pretrain_reverser(str(Path(work) / "mu"), numbers[:PRETRAIN_ROWS])
+        train = reversal_rows(numbers[PRETRAIN_ROWS : PRETRAIN_ROWS + settings["prompts"]])
+        held_out = reversal_rows(numbers[PRETRAIN_ROWS + settings["prompts"] :])
         task = {"reward": reversal_reward, "answer": reversal_answer, "description": "reverse 4 digits"}
     else:
         sys.path.insert(0, str(ROOT / "recipes"))
