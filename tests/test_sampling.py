@@ -74,6 +74,17 @@ def test_same_seed_same_samples_and_greedy_is_deterministic(model_and_tokenizer,
     assert completions[0] == completions[1] == completions[2]
 
 
+def test_empty_completions_are_dropped_not_fatal(model_and_tokenizer, tmp_path, caplog):
+    # A model that ends every completion at once (EOS forced at the length limit of 1 new token).
+    model, tokenizer = model_and_tokenizer
+    model.generation_config.forced_eos_token_id = tokenizer.eos_token_id
+    with caplog.at_level("WARNING"):
+        data = sample_completions(model, prompts(False), has_digit, processing_class=tokenizer, num_samples=2,
+                                  max_new_tokens=1, args=make_args(tmp_path), progress=False)
+    assert len(data) == 0 and "behavior_logps" in data.column_names
+    assert "6 of 6 sampled completions are empty" in caplog.text
+
+
 def test_model_given_as_a_path(tiny_model_path, tmp_path):
     data = sample_completions(tiny_model_path, prompts(False, 2), has_digit, num_samples=2, max_new_tokens=6,
                               args=make_args(tmp_path), progress=False)

@@ -356,7 +356,7 @@ def sample_completions(
     Returns:
         [`~datasets.Dataset`]: one row per completion with `prompt`, `completion`, `reward`, `behavior_logps` (one
         value per completion token), one column per reward function, and the prompt's other columns — the
-        [`TOPRTrainer`] data contract.
+        [`TOPRTrainer`] data contract. Empty completions (the model ended at once) are dropped, with a warning.
     """
     from .trainer import TOPRTrainer  # the trainer computes the behavior log-probs exactly as it will train
 
@@ -395,6 +395,16 @@ def sample_completions(
         for name, values in per_func.items():
             samples = samples.remove_columns(name) if name in samples.column_names else samples
             samples = samples.add_column(name, values)
+        # A completion that is only the end-of-sequence token has nothing for TOPRTrainer to train on.
+        kept = [i for i, c in enumerate(completions) if (c if isinstance(c, str) else c[-1]["content"])]
+        if len(kept) < len(samples):
+            logger.warning(
+                f"{len(samples) - len(kept)} of {len(samples)} sampled completions are empty (the model ended at "
+                "once): they are dropped, since TOPRTrainer refuses empty completions."
+            )
+            samples = samples.select(kept).flatten_indices()
+        if len(samples) == 0:
+            return Dataset.from_dict({**samples.to_dict(), BEHAVIOR_LOGPS: []})
 
         was_training = model.training
         scorer = TOPRTrainer(model, args=args, train_dataset=samples, processing_class=processing_class)
