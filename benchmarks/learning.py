@@ -321,12 +321,10 @@ def main(argv=None) -> str:
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"learning-{args.scale}{'-quick' if args.quick else ''}")
 
     import torch
-    from datasets import disable_caching
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trl_topr import TOPRConfig, sample_completions
 
-    disable_caching()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as work:
         setting = setup(args.scale, work, args.quick)

@@ -86,14 +86,12 @@ def main(argv=None) -> str:
     args = parser.parse_args(argv)
 
     import torch
-    from datasets import disable_caching
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     from trl_topr import TOPRConfig, TOPRTrainer, generate_completions
     from trl_topr.data import BEHAVIOR_LOGPS
 
-    disable_caching()
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as work:
         prompts, folder = prompts_and_model(args.quick, work)
