@@ -296,6 +296,7 @@ class TOPRTrainer(SFTTrainer):
         )
         values = []
         with (
+            torch.no_grad(),  # values only: no autograd graph (its saved activations cost time and memory)
             _inference_mode(self.model),
             disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
             # the mixed precision training will run in: the model is not wrapped by `accelerator.prepare` yet
