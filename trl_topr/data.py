@@ -40,6 +40,11 @@ def _is_number(value: Any) -> bool:
 KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
+def completion_text(completion) -> str:
+    """The text of a completion: a string (standard format) or the last message's content (conversational)."""
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
 def _check_text(value: Any, conversational: bool, dataset_name: str, column: str, row: int, allow_empty: bool):
     if conversational:
         if not isinstance(value, list) or not all(

@@ -6,12 +6,8 @@ from collections.abc import Callable
 from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, set_seed
 
-from .data import PROMPT
+from .data import PROMPT, completion_text
 from .sampling import end_of_sequence_ids, generate_completions, score_completions
-
-
-def _text(completion) -> str:
-    return completion[-1]["content"] if isinstance(completion, list) else completion
 
 
 def evaluate_policy(
@@ -86,7 +82,7 @@ def evaluate_policy(
         **settings,
     )  # fmt: skip
     greedy_correct, sampled_correct = correctness(greedy, 1), correctness(sampled, num_samples)
-    sampled_answers = [answer_func(_text(c)) for c in sampled]
+    sampled_answers = [answer_func(completion_text(c)) for c in sampled]
 
     majority_correct = []
     for i in range(len(prompts)):
@@ -108,7 +104,7 @@ def evaluate_policy(
         "pass@1": mean(sampled_correct),
         f"maj@{num_samples}": mean(majority_correct),
         "invalid_rate": mean([answer is None for answer in sampled_answers]),
-        "invalid_rate_greedy": mean([answer_func(_text(c)) is None for c in greedy]),
+        "invalid_rate_greedy": mean([answer_func(completion_text(c)) is None for c in greedy]),
         "truncated_rate": mean([len(ids) >= max_new_tokens and ids[-1] not in eos_ids for ids in sampled_ids]),
         "mean_length": mean([len(ids) for ids in sampled_ids]),
     }

@@ -12,6 +12,7 @@ import math
 import re
 import threading
 
+from .data import completion_text
 
 try:
     from math_verify import parse, verify
@@ -139,11 +140,6 @@ def answers_match(predicted: str, gold: str) -> bool:
         return False
 
 
-def _completion_text(completion) -> str:
-    """The text of a completion: a string (standard format) or the last message's content (conversational)."""
-    return completion if isinstance(completion, str) else completion[-1]["content"]
-
-
 def gsm8k_reward(prompts, completions, answer=None, solution=None, **kwargs) -> list[float | None]:
     """
     Reward function (TRL signature): +1.0 when the completion's final answer is the gold one, else -1.0.
@@ -184,7 +180,7 @@ def gsm8k_reward(prompts, completions, answer=None, solution=None, **kwargs) -> 
             "gsm8k_reward needs the gold answers: the dataset must have an `answer` column (GSM8K format, "
             "'... #### 72') or a `solution` column (the gold number, '72')."
         )
-    predicted = [extract_final_answer(_completion_text(c)) for c in completions]
+    predicted = [extract_final_answer(completion_text(c)) for c in completions]
     rewards = []
     for pred, gold in zip(predicted, golds, strict=True):
         if gold is None:
@@ -225,4 +221,4 @@ def gsm8k_invalid(prompts, completions, **kwargs) -> list[float]:
 
     ```
     """
-    return [float(extract_final_answer(_completion_text(c)) is None) for c in completions]
+    return [float(extract_final_answer(completion_text(c)) is None) for c in completions]

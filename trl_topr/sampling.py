@@ -29,7 +29,7 @@ from trl.data_utils import _tokenize
 from trl.trainer.utils import create_model_from_path
 
 from .config import TOPRConfig
-from .data import BEHAVIOR_LOGPS, COMPLETION, PROMPT, REWARD
+from .data import BEHAVIOR_LOGPS, COMPLETION, PROMPT, REWARD, completion_text
 
 
 logger = get_logger(__name__)
@@ -396,7 +396,7 @@ def sample_completions(
             samples = samples.remove_columns(name) if name in samples.column_names else samples
             samples = samples.add_column(name, values)
         # A completion that is only the end-of-sequence token has nothing for TOPRTrainer to train on.
-        kept = [i for i, c in enumerate(completions) if (c if isinstance(c, str) else c[-1]["content"])]
+        kept = [i for i, c in enumerate(completions) if completion_text(c)]
         if len(kept) < len(samples):
             logger.warning(
                 f"{len(samples) - len(kept)} of {len(samples)} sampled completions are empty (the model ended at "
