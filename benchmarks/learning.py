@@ -237,11 +237,7 @@ def run_method(method: str, setting: dict, data, probe: Probe, seed: int, work: 
 
     trainer.add_callback(EpochEnd())
     trainer.remove_callback(PrinterCallback)  # no log dicts on stdout
-    start = time.perf_counter()
     trainer.train()
-    train_s = time.perf_counter() - start
-    for entry in history:
-        entry["train_s"] = train_s
     return history
 
 
