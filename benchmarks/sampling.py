@@ -8,6 +8,8 @@ In one process, on the same model, prompts and batches, alternating A and B --re
               B: the same batches through `tokenizer.pad` + `model.generate` directly, same seed and settings
   precompute  A: TOPRTrainer's behavior-log-prob precompute (weights hash, dataloader, autocast, fused LM head, gather)
               B: a plain loop `model(input_ids, attention_mask)` + log_softmax + gather over the same collated batches
+              and, to locate the difference, the precompute's forward alone (`TOPRTrainer._completion_logps`, fused LM
+              head) over those batches, and the weights hash alone
 Tokens/s counts generated tokens (sampling) and all tokens of the scored sequences (precompute).
 """
 
@@ -63,15 +65,24 @@ def direct_generate(model, tokenizer, prompts, *, num_samples, max_new_tokens, b
     return generated
 
 
-def direct_forward(model, batches, autocast):
+def plain_logps(model, batch):
+    """Per-token log-probs of the completion tokens from materialized logits: the plain transformers way."""
+    import torch
+
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    logps = torch.log_softmax(logits.float(), -1).gather(-1, batch["input_ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
+    return logps * (batch["labels"][:, 1:] != -100)
+
+
+def forward_loop(score, batches, autocast) -> int:
+    """Score every batch with `score(batch)` under no_grad and autocast, converting to lists as the precompute does;
+    return the number of tokens scored."""
     import torch
 
     tokens = 0
     with torch.no_grad(), autocast():
         for batch in batches:
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
-            logps = torch.log_softmax(logits.float(), -1).gather(-1, batch["input_ids"][:, 1:].unsqueeze(-1))
-            (logps.squeeze(-1) * (batch["labels"][:, 1:] != -100)).sum(-1).tolist()
+            score(batch).sum(-1).tolist()
             tokens += int(batch["attention_mask"].sum())
     return tokens
 
@@ -86,8 +97,10 @@ def main(argv=None) -> str:
     args = parser.parse_args(argv)
 
     import torch
+    from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+    from trl.trainer.utils import hash_module
 
     from trl_topr import TOPRConfig, TOPRTrainer, generate_completions
     from trl_topr.data import BEHAVIOR_LOGPS
@@ -117,8 +130,6 @@ def main(argv=None) -> str:
         torch.manual_seed(0)
         completions, _, _ = generate_completions(model, tokenizer, prompts, temperature=1.0, top_k=0, progress=False,
                                                  **settings)
-        from datasets import Dataset
-
         rows = Dataset.from_dict({"prompt": [p for p in prompts for _ in range(args.num_samples)],
                                   "completion": completions, "reward": [1.0] * len(completions)})
         config = TOPRConfig(output_dir=str(Path(work) / "out"), use_cpu=not torch.cuda.is_available(), bf16=True,
@@ -129,29 +140,39 @@ def main(argv=None) -> str:
         columns = tokenized.select_columns(["input_ids", "labels"])
         batches = [collator([columns[j] for j in range(i, min(i + args.batch_size, len(columns)))])
                    for i in range(0, len(columns), args.batch_size)]
+        scorers = {"forward": lambda batch: plain_logps(model, batch),
+                   "fused": lambda batch: trainer._completion_logps(trainer.model, batch)[0]}  # the trainer's own
+        times.update(fused=[], hash=[])
         for rep in range(args.reps):
-            for name in (["precompute", "forward"] if rep % 2 == 0 else ["forward", "precompute"]):
+            order = ["precompute", "forward", "fused"]
+            for name in order[rep % 3:] + order[: rep % 3]:
                 start = time.perf_counter()
                 if name == "precompute":
                     del trainer._initial_model_hash  # the weights hash is part of the precompute's cost
                     trainer._maybe_precompute_behavior_logps(tokenized, "train")
                     tokens[name] = sum(map(len, tokenized["input_ids"]))
                 else:
-                    tokens[name] = direct_forward(model, batches, trainer.accelerator.autocast)
+                    tokens[name] = forward_loop(scorers[name], batches, trainer.accelerator.autocast)
                 times[name].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            hash_module(trainer.model)
+            times["hash"].append(time.perf_counter() - start)
 
+    hash_s = statistics.median(times.pop("hash"))
     rate = {name: tokens[name] / statistics.median(t) for name, t in times.items()}
     header = ["stage", "trl-topr tokens/s", "plain transformers tokens/s", "ratio (target >= 0.9)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
              f"| sampling | {rate['sampler']:.0f} | {rate['generate']:.0f} | {rate['sampler'] / rate['generate']:.2f} |",
              f"| precompute | {rate['precompute']:.0f} | {rate['forward']:.0f} | "
-             f"{rate['precompute'] / rate['forward']:.2f} |"]
+             f"{rate['precompute'] / rate['forward']:.2f} |",
+             f"| precompute's forward alone (fused LM head) | {rate['fused']:.0f} | {rate['forward']:.0f} | "
+             f"{rate['fused'] / rate['forward']:.2f} |"]
     table = "\n".join(lines)
     model_name = "tiny 2-layer Llama (conftest)" if args.quick else "SmolLM2-135M-Instruct"
     device = "CUDA" if torch.cuda.is_available() else "CPU"
     print(f"{model_name}, fp32 weights, {device}: {len(prompts)} prompts x {args.num_samples} samples, "
           f"{args.max_new_tokens} new tokens, batch {args.batch_size}; precompute in bf16 autocast; "
-          f"median of {args.reps} alternating reps; tokens per rep: "
+          f"median of {args.reps} alternating reps; weights hash (part of the precompute) {hash_s:.2f} s; tokens per rep: "
           + ", ".join(f"{name} {count}" for name, count in tokens.items()) + "\n")
     print(table)
     return table

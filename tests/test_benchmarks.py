@@ -45,5 +45,6 @@ def test_sampling_benchmark_prints_ratio_table(capsys):
     assert table in capsys.readouterr().out
     header, _rule, *rows = table.splitlines()
     assert "ratio" in header
-    assert [row.split("|")[1].strip() for row in rows] == ["sampling", "precompute"]
+    assert [row.split("|")[1].strip() for row in rows] == ["sampling", "precompute",
+                                                         "precompute's forward alone (fused LM head)"]
     assert all(float(row.split("|")[4]) > 0 for row in rows)
