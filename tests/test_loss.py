@@ -295,3 +295,66 @@ def test_any_batch_gives_finite_loss_gradients_and_bounded_weights(
         assert math.isnan(value) or 0.0 <= value <= upper * (1 + 1e-6), (name, value)
     if loss_type == "topr" and not math.isnan(metrics["positive_weight_mean"].item()):
         assert metrics["positive_weight_mean"].item() == 1.0
+
+
+GARBAGE = [-math.inf, math.inf, math.nan, 1e30, -1e30, 88.0]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    batch=st.integers(1, 4),
+    length=st.integers(1, 6),
+    garbage=st.sampled_from(GARBAGE),
+    behavior_garbage=st.sampled_from(GARBAGE),
+    loss_type=st.sampled_from(LOSS_TYPES),
+    ratio_level=st.sampled_from(RATIO_LEVELS),
+    normalization=st.sampled_from(LOSS_NORMALIZATIONS),
+    per_token_behavior=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_masked_positions_affect_neither_loss_nor_gradient(
+    batch, length, garbage, behavior_garbage, loss_type, ratio_level, normalization, per_token_behavior, seed
+):
+    # The same batch twice: with zeros and with garbage (-inf, NaN, huge) on the masked positions of the policy's and
+    # the behavior's per-token log-probs. Loss and gradient must be identical, and finite.
+    if ratio_level == "token":
+        per_token_behavior = True
+    generator = torch.Generator().manual_seed(seed)
+    mask = torch.rand(batch, length, generator=generator) > 0.4  # rows may have no completion token at all
+    clean = torch.where(mask, -torch.rand(batch, length, generator=generator, dtype=torch.float64) * 3, 0.0)
+    behavior = torch.where(mask, clean + torch.randn(batch, length, generator=generator, dtype=torch.float64), 0.0)
+    rewards = torch.randn(batch, generator=generator)
+    results = []
+    for fill, behavior_fill in ((0.0, 0.0), (garbage, behavior_garbage)):
+        logps = torch.where(mask, clean, fill).requires_grad_(True)
+        mu = torch.where(mask, behavior, behavior_fill) if per_token_behavior else behavior.sum(-1)
+        loss, metrics = topr_loss(logps, mask.long(), rewards, mu, loss_type=loss_type, ratio_level=ratio_level,
+                                  loss_normalization=normalization)
+        loss.backward()
+        results.append((loss.detach(), logps.grad, metrics))
+    (clean_loss, clean_grad, clean_metrics), (loss, grad, metrics) = results
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    torch.testing.assert_close(loss, clean_loss, rtol=0, atol=0)
+    torch.testing.assert_close(grad, clean_grad, rtol=0, atol=0)
+    for name, value in metrics.items():
+        torch.testing.assert_close(value, clean_metrics[name], rtol=0, atol=0, equal_nan=True, msg=name)
+
+
+@pytest.mark.parametrize("ratio_level", RATIO_LEVELS)
+def test_token_mean_of_parts_adds_up_to_the_whole_batch(ratio_level):
+    # Split a batch in two micro-batches of different token counts: with `num_items_in_batch` = the whole batch's
+    # count, the parts' losses and gradients add up to the whole batch's token mean.
+    logps, mask, rewards = on_policy_batch()
+    behavior = logps - 0.3
+    whole = logps.clone().requires_grad_(True)
+    loss, _ = topr_loss(whole, mask, rewards, behavior, ratio_level=ratio_level, loss_normalization="token_mean")
+    loss.backward()
+    part = logps.clone().requires_grad_(True)
+    total = 0.0
+    for rows in (slice(0, 1), slice(1, 4)):  # 5 tokens, then 8
+        piece, _ = topr_loss(part[rows], mask[rows], rewards[rows], behavior[rows], ratio_level=ratio_level,
+                             loss_normalization="token_mean", num_items_in_batch=mask.sum())
+        piece.backward()
+        total = total + piece.detach()
+    torch.testing.assert_close(total, loss.detach())
+    torch.testing.assert_close(part.grad, whole.grad)

@@ -139,6 +139,7 @@ def topr_loss(
     positive_ratio_bounds: tuple[float, float] | None = None,
     negative_ratio_bounds: tuple[float, float] | None = None,
     epsilon: float = 0.2,
+    num_items_in_batch: int | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     r"""
     Tapered Off-Policy REINFORCE loss of a batch of completions.
@@ -150,14 +151,15 @@ def topr_loss(
     Args:
         per_token_logps (`torch.Tensor` of shape `(B, T)`):
             Log-probabilities `log pi(y_t | x, y_<t)` of the completion tokens under the trained policy, with gradient.
-            Any value on masked positions.
+            Masked positions may hold any value (-inf, NaN included): they affect neither the loss nor its gradient.
         completion_mask (`torch.Tensor` of shape `(B, T)`):
             1 on completion tokens, 0 elsewhere.
         rewards (`torch.Tensor` of shape `(B,)`):
             Scalar reward of each completion.
         behavior_logps (`torch.Tensor` of shape `(B,)` or `(B, T)`):
             Log-probabilities under the behavior policy mu: one sum over the completion tokens per sequence, or one
-            value per token (aligned with `per_token_logps`). `ratio_level="token"` needs per-token values.
+            value per token (aligned with `per_token_logps`, any value on masked positions). `ratio_level="token"`
+            needs per-token values.
         loss_type (`str`, *optional*, defaults to `"topr"`):
             Weighting of positives / negatives:
             - `"topr"`: 1 / clip(pi/mu, 0, 1), the paper's method.
@@ -181,6 +183,11 @@ def topr_loss(
             Custom window `(a-, b-)` for `R - c < 0`; defaults to the preset of `loss_type`.
         epsilon (`float`, *optional*, defaults to `0.2`):
             Trust region of `loss_type="ppo_clip"`.
+        num_items_in_batch (`int` or `torch.Tensor`, *optional*):
+            For `loss_normalization="token_mean"`: the number of completion tokens the mean is over, when this batch
+            is one part of a larger one (gradient accumulation, several processes). The loss is then this part's
+            share of the large batch's token mean, and the parts' losses add up to it. Defaults to this batch's
+            count. Ignored by the other normalizations.
 
     Returns:
         `tuple[torch.Tensor, dict[str, torch.Tensor]]`: the scalar loss and a dict of detached scalar metrics
@@ -211,16 +218,19 @@ def topr_loss(
     if ratio_level == "token" and behavior_logps.dim() != 2:
         raise ValueError("`ratio_level='token'` needs per-token `behavior_logps` of shape (B, T).")
 
-    logps = per_token_logps.float()
-    mask = completion_mask.to(logps.dtype)
+    # Masked positions are selected away, not multiplied by 0: whatever they hold (-inf, NaN) reaches neither the
+    # loss nor its gradient.
+    valid = completion_mask.bool()
+    logps = torch.where(valid, per_token_logps.float(), 0.0)
+    mask = valid.to(logps.dtype)
     lengths = mask.sum(-1)
     advantages = rewards.to(logps.dtype) - baseline  # (B,)
-    sequence_logps = (logps * mask).sum(-1)  # (B,)
+    sequence_logps = logps.sum(-1)  # (B,)
 
     # The log-ratio is computed without gradient: only the weight uses it.
     with torch.no_grad():
         if behavior_logps.dim() == 2:
-            token_log_ratio = (logps - behavior_logps.to(logps.dtype)) * mask
+            token_log_ratio = torch.where(valid, logps - behavior_logps.to(logps.dtype), 0.0)
             sequence_log_ratio = token_log_ratio.sum(-1)
         else:
             sequence_log_ratio = sequence_logps - behavior_logps.to(logps.dtype)
@@ -241,11 +251,13 @@ def topr_loss(
 
     # Per-token objective sg(alpha) (R - c) log pi, zero outside the completion.
     token_weights = weights if ratio_level == "token" else weights[:, None]
-    per_token_objective = token_weights * advantages[:, None] * logps * mask
+    per_token_objective = token_weights * advantages[:, None] * logps  # logps is 0 outside the completion
     if loss_normalization == "sequence_length":
         loss = -(per_token_objective.sum(-1) / lengths.clamp(min=1)).mean()
     elif loss_normalization == "token_mean":
-        loss = -per_token_objective.sum() / mask.sum().clamp(min=1)
+        num_tokens = mask.sum() if num_items_in_batch is None else num_items_in_batch
+        num_tokens = torch.as_tensor(num_tokens, dtype=logps.dtype, device=logps.device)
+        loss = -per_token_objective.sum() / num_tokens.clamp(min=1)
     else:
         loss = -per_token_objective.sum(-1).mean()
 
