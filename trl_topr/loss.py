@@ -277,7 +277,49 @@ METRIC_SUPPORT = {
     "negative_weight_mean": "count/negative_items",
     "negative_tapered_fraction": "count/negative_items",
     "log_ratio_mean": "count/items",
+    "entropy": "count/tokens",  # logged by the trainers
 }
+
+
+def combine_metrics(metrics: dict[str, list[float]]) -> dict[str, float]:
+    """
+    Combine the metrics of several batches (micro-batches, processes, logging steps) into their exact values over all
+    of them: each mean weighted by what it averages over (its `count/...` entry, see `METRIC_SUPPORT`; sequences by
+    default), `_min` / `_max` entries as the minimum / maximum. Batches where a metric is undefined (`nan`, e.g. the
+    negative weight of a batch without negatives) are left out of it; a metric undefined everywhere is left out.
+
+    Args:
+        metrics (`dict[str, list[float]]`):
+            One list per metric name, with one value per batch, as returned by [`topr_loss`] (`count/...` entries
+            included, in the same order).
+
+    Returns:
+        `dict[str, float]`: the combined metrics, without the `count/...` entries.
+
+    Example:
+    ```python
+    >>> from trl_topr.loss import combine_metrics
+
+    >>> # a batch with 1 negative of weight 0.2, then one with 3 negatives of mean weight 0.6
+    >>> combine_metrics({"negative_weight_mean": [0.2, 0.6], "count/negative_items": [1.0, 3.0]})
+    {'negative_weight_mean': 0.5}
+
+    ```
+    """
+    combined = {}
+    for name, values in metrics.items():
+        if name.startswith("count/"):
+            continue
+        if name.endswith(("_min", "_max")):
+            values = [v for v in values if not math.isnan(v)]
+            if values:
+                combined[name] = (min if name.endswith("_min") else max)(values)
+            continue
+        support = metrics[METRIC_SUPPORT.get(name, "count/sequences")]
+        pairs = [(v, w) for v, w in zip(values, support, strict=True) if w > 0 and not math.isnan(v)]
+        if pairs:
+            combined[name] = sum(v * w for v, w in pairs) / sum(w for _, w in pairs)
+    return combined
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -314,4 +356,5 @@ def _metrics(rewards, advantages, baseline, weights, log_ratio, mask, lengths, r
         "count/positive_items": positive_items.sum(),
         "count/negative_items": negative_items.sum(),
         "count/items": valid.sum(),
+        "count/tokens": mask.sum(),
     }

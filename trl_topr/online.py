@@ -1,16 +1,24 @@
 """Online TOPR: [`~trl.GRPOTrainer`] with its loss replaced by [`topr_loss`]. Swap `GRPOTrainer` / `GRPOConfig` for
 `TOPRGRPOTrainer` / `TOPRGRPOConfig` and a TRL GRPO script trains with TOPR."""
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 from trl import GRPOConfig, GRPOTrainer
-from trl.trainer.utils import get_config_model_id, nanmax, nanmin
+from trl.trainer.utils import get_config_model_id
 
 from .composition import baseline_for_positive_fraction
 from .config import TOPRConfig
-from .loss import LOSS_NORMALIZATIONS, LOSS_TYPES, RATIO_LEVELS, resolve_ratio_bounds, topr_loss
-from .trainer import TOPRTrainer
+from .loss import (
+    LOSS_NORMALIZATIONS,
+    LOSS_TYPES,
+    RATIO_LEVELS,
+    combine_metrics,
+    resolve_ratio_bounds,
+    topr_loss,
+)
+from .trainer import TOPRTrainer, record_metrics
 
 
 # Options of GRPO's own loss, which TOPR's loss replaces, with the value that leaves them off.
@@ -55,7 +63,8 @@ class TOPRGRPOConfig(GRPOConfig):
         ratio_level (`str`, *optional*, defaults to `"sequence"`):
             `"sequence"` (the paper), `"token"` or `"sequence_mean"`; replaces GRPO's `importance_sampling_level`.
         loss_normalization (`str`, *optional*, defaults to `"sequence_length"`):
-            `"sequence_length"` (the paper), `"token_mean"` or `"sum"`, over each micro-batch.
+            `"sequence_length"` (the paper) or `"sum"`, averaged over each micro-batch's sequences, or `"token_mean"`,
+            over the tokens of the whole generation batch (as GRPO's `"dapo"`).
         baseline (`float`, *optional*):
             Constant baseline c. Defaults to `0.0`, as in the paper's runs.
         target_positive_fraction (`float`, *optional*):
@@ -152,6 +161,7 @@ class TOPRGRPOTrainer(GRPOTrainer):
         elif not isinstance(args, TOPRGRPOConfig):
             raise TypeError(f"`args` must be a TOPRGRPOConfig, got {type(args).__name__}: swap GRPOConfig for it.")
         super().__init__(model, reward_funcs, args, *more_args, **kwargs)
+        self._topr_metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         # Keep the rewards of every process's completions: GRPO passes only its normalized advantages on to the loss.
@@ -191,19 +201,32 @@ class TOPRGRPOTrainer(GRPOTrainer):
             behavior_logps = torch.where(torch.isnan(sampling), behavior_logps, sampling)
         advantages = torch.nan_to_num(inputs["rewards"] - inputs["baselines"])  # R - c, 0 for unscorable completions
         options = {name: getattr(self.args, name) for name in TOPR_OPTIONS}
-        loss, metrics = topr_loss(per_token_logps, mask, advantages, behavior_logps, **options)
         mode = "train" if self.model.training else "eval"
-        normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0  # as GRPO: no HF scaling
-        loss = loss / normalizer
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0  # no HF scaling, as GRPO
+        num_items = None
+        if self.args.loss_normalization == "token_mean":
+            # As GRPO's "dapo": the tokens of the whole generation batch (every process), rescaled to one accumulation
+            # window, so that the update does not depend on how the batch is split into micro-batches and processes.
+            num_items = inputs["num_items_in_batch"] / self.accelerator.num_processes
+            if mode == "train":
+                num_items = num_items * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+        loss, metrics = topr_loss(per_token_logps, mask, advantages, behavior_logps, num_items_in_batch=num_items,
+                                  **options)
+        if num_items is None:
+            loss = loss / accumulation
         if self.aux_loss_enabled:
-            loss = loss + self.router_aux_loss_coef * aux_loss / normalizer
+            loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
         del metrics["reward"], metrics["completion_length"]  # GRPO logs them ("reward", "completions/mean_length")
-        metrics = {name: value for name, value in metrics.items() if not name.startswith("count/")}
         metrics["baseline"] = inputs["baselines"].float().nanmean()
-        metrics["entropy"] = (entropies.detach() * mask).sum() / mask.sum().clamp(min=1)
-        names = list(metrics)
-        gathered = self.accelerator.gather(torch.stack([metrics[n].float() for n in names])[None])
-        for name, values in zip(names, gathered.view(-1, len(names)).T, strict=True):
-            reduce = nanmin if name.endswith("_min") else nanmax if name.endswith("_max") else torch.nanmean
-            self._metrics[mode][name].append(reduce(values).item())
+        metrics["entropy"] = torch.where(mask.bool(), entropies.detach(), 0.0).sum() / mask.sum().clamp(min=1)
+        record_metrics(self.accelerator, self._topr_metrics[mode], metrics)
         return loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        # TOPR's metrics, combined exactly over the logging interval (weighted by their counts, see
+        # `combine_metrics`), next to GRPO's own
+        mode = "train" if self.model.training else "eval"
+        prefix = "eval_" if mode == "eval" else ""
+        logs.update({prefix + name: value for name, value in combine_metrics(self._topr_metrics[mode]).items()})
+        self._topr_metrics[mode].clear()
+        super().log(logs, start_time)

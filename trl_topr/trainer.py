@@ -1,7 +1,6 @@
 import contextlib
 import copy
 import json
-import math
 import os
 import textwrap
 from collections import defaultdict
@@ -17,14 +16,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallba
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import is_bitsandbytes_available
 from trl import SFTTrainer
-from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 from trl.trainer.utils import get_config_model_id, hash_module
 
 from .composition import baseline_for_positive_fraction
 from .config import TOPRConfig
 from .data import BEHAVIOR_LOGPS, REWARD, DataCollatorForTOPR, check_and_truncate_tokens, validate_and_standardize
-from .loss import METRIC_SUPPORT, topr_loss
+from .loss import combine_metrics, topr_loss
 
 
 logger = get_logger(__name__)
@@ -41,6 +39,41 @@ def _sft_loss_type(args: TOPRConfig):
         yield
     finally:
         args.loss_type = loss_type
+
+
+def record_metrics(accelerator, store: dict[str, list[float]], metrics: dict[str, torch.Tensor]) -> None:
+    """
+    Append every process's values of a micro-batch's metrics (as returned by [`topr_loss`]) to `store`, for
+    [`~trl_topr.loss.combine_metrics`] to combine at logging time.
+
+    Args:
+        accelerator ([`~accelerate.Accelerator`]):
+            The trainer's accelerator, whose processes all call this.
+        store (`dict[str, list[float]]`):
+            Lists of values per metric name, appended to.
+        metrics (`dict[str, torch.Tensor]`):
+            Scalar metrics of this process's micro-batch.
+    """
+    # One gather for all the metrics. (Not `gather_for_metrics`, which trims what it takes for duplicated samples at the
+    # end of an epoch.)
+    names = list(metrics)
+    gathered = accelerator.gather(torch.stack([metrics[n].float() for n in names])[None])
+    for name, column in zip(names, gathered.view(-1, len(names)).T.cpu(), strict=True):
+        store[name].extend(column.tolist())
+
+
+@contextlib.contextmanager
+def _without_activation_checkpointing(model: torch.nn.Module, checkpointing_kwargs: dict | None):
+    # Inference needs no recomputation. (TRL's `disable_gradient_checkpointing` reads the deprecated
+    # `is_gradient_checkpointing`.)
+    enabled = getattr(model, "is_activation_checkpointing", False)
+    if enabled:
+        model.activation_checkpointing_disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            model.activation_checkpointing_enable(checkpointing_kwargs)
 
 
 @contextlib.contextmanager
@@ -127,8 +160,8 @@ class TOPRTrainer(SFTTrainer):
                 eprint       = {arXiv:2503.14286},
             }"""),
     }
-    # `compute_loss` returns a mean over the micro-batch: `Trainer` divides it by the gradient accumulation steps.
-    loss_is_scaled_for_ga = False
+    # `compute_loss` scales its loss for gradient accumulation itself.
+    loss_is_scaled_for_ga = True
 
     def __init__(
         self,
@@ -298,7 +331,7 @@ class TOPRTrainer(SFTTrainer):
         with (
             torch.no_grad(),  # values only: no autograd graph (its saved activations cost time and memory)
             _inference_mode(self.model),
-            disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
+            _without_activation_checkpointing(self.model, self.args.activation_checkpointing_kwargs),
             # the mixed precision training will run in: the model is not wrapped by `accelerator.prepare` yet
             self.accelerator.autocast(),
         ):
@@ -340,6 +373,10 @@ class TOPRTrainer(SFTTrainer):
         behavior_logps = inputs["behavior_logps"]
         if behavior_logps.dim() == 2:  # per-token values sit at their tokens' positions; log-probs are shifted by one
             behavior_logps = behavior_logps[:, 1:]
+        # In training, `Trainer` counts the completion tokens of the whole accumulated batch (of every process, with
+        # `average_tokens_across_devices`): a token mean over it makes the update independent of how the batch is
+        # split into micro-batches and processes, as in TRL's SFT.
+        token_mean_over_batch = mode == "train" and num_items_in_batch is not None
         loss, metrics = topr_loss(
             per_token_logps,
             completion_mask,
@@ -352,20 +389,19 @@ class TOPRTrainer(SFTTrainer):
             positive_ratio_bounds=self.args.positive_ratio_bounds,
             negative_ratio_bounds=self.args.negative_ratio_bounds,
             epsilon=self.args.epsilon,
+            num_items_in_batch=num_items_in_batch if token_mean_over_batch else None,
         )
+        if mode == "train":  # `loss_is_scaled_for_ga`: the scaling for accumulation and processes is done here
+            if self.args.loss_normalization == "token_mean" and token_mean_over_batch:
+                if self.args.average_tokens_across_devices:  # the count spans every process, and DDP averages
+                    loss = loss * self.accelerator.num_processes
+            else:  # a mean over this micro-batch's sequences (or tokens): average the micro-batches
+                # (set by `Trainer.train`; a direct call outside it gets the configured value)
+                loss = loss / getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
         entropy = outputs.entropy[:, -per_token_logps.size(1) :].detach()
-        metrics["entropy"] = (entropy * completion_mask).sum() / completion_mask.sum().clamp(min=1)
-        metrics["count/tokens"] = completion_mask.sum().float()
-        self._record_metrics(mode, metrics)
+        metrics["entropy"] = torch.where(completion_mask, entropy, 0.0).sum() / completion_mask.sum().clamp(min=1)
+        record_metrics(self.accelerator, self._metrics[mode], metrics)
         return (loss, outputs) if return_outputs else loss
-
-    def _record_metrics(self, mode: str, metrics: dict[str, torch.Tensor]) -> None:
-        # One gather for all the metrics; each process contributes its micro-batch's values. (Not `gather_for_metrics`,
-        # which trims what it takes for duplicated samples at the end of an epoch.)
-        names = list(metrics)
-        gathered = self.accelerator.gather(torch.stack([metrics[n].float() for n in names])[None])
-        for name, column in zip(names, gathered.view(-1, len(names)).T.cpu(), strict=True):
-            self._metrics[mode][name].extend(column.tolist())
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         # The fused LM head builds no logits: evaluation reports the TOPR loss and the metrics.
@@ -377,21 +413,8 @@ class TOPRTrainer(SFTTrainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"
         prefix = "eval_" if mode == "eval" else ""
-        metrics = self._metrics[mode]
-        for name, values in metrics.items():
-            if name.startswith("count/"):
-                continue
-            if name.endswith(("_min", "_max")):
-                values = [v for v in values if not math.isnan(v)]  # e.g. no negatives in a batch
-                if values:
-                    logs[prefix + name] = (min if name.endswith("_min") else max)(values)
-                continue
-            # Each micro-batch's mean weighted by what it averages over: the exact mean over the logging interval,
-            # however the batches were split across processes and accumulation steps.
-            support = metrics[METRIC_SUPPORT.get(name, "count/tokens" if name == "entropy" else "count/sequences")]
-            pairs = [(v, w) for v, w in zip(values, support, strict=True) if w > 0 and not math.isnan(v)]
-            if pairs:
-                logs[prefix + name] = sum(v * w for v, w in pairs) / sum(w for _, w in pairs)
+        # the exact values over the logging interval, however its batches were split across processes and steps
+        logs.update({prefix + name: value for name, value in combine_metrics(self._metrics[mode]).items()})
         self._metrics[mode].clear()
         super(SFTTrainer, self).log(logs, start_time)
 
