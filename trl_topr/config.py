@@ -4,6 +4,23 @@ from dataclasses import dataclass, field
 from trl import SFTConfig
 
 from .loss import LOSS_NORMALIZATIONS, LOSS_TYPES, RATIO_LEVELS, resolve_ratio_bounds
+from .precision import apply_precision_defaults
+
+
+def apply_training_defaults(args) -> None:
+    """
+    The defaults [`TOPRConfig`] and [`~trl_topr.online.TOPRGRPOConfig`] change from TRL's, applied in place before
+    `TrainingArguments` validates `args`: the precision from the hardware
+    ([`~trl_topr.precision.apply_precision_defaults`]), and activation checkpointing on (TRL's default) under its
+    current name, unless either name was set.
+
+    Args:
+        args ([`TOPRConfig`] or [`~trl_topr.online.TOPRGRPOConfig`]):
+            The configuration, before its `__post_init__`.
+    """
+    apply_precision_defaults(args)
+    if args.activation_checkpointing is None and args.gradient_checkpointing is None:
+        args.activation_checkpointing = True
 
 
 @dataclass
@@ -76,11 +93,28 @@ class TOPRConfig(SFTConfig):
     > - `learning_rate`: Defaults to `1e-6` instead of `2e-5`, as TRL's other policy-gradient trainers (the paper
     >   used 5e-7 for Llama 3 8B with Adafactor).
     > - `loss_type`: Defaults to `"topr"`, see above.
+    > - `bf16`: Defaults to the hardware ([`~trl_topr.precision.has_native_bf16`]) instead of always `True`: on
+    >   where the training device computes bf16 natively (GPUs from Ampere on, CPUs with AMX or AVX512-BF16), off
+    >   elsewhere, where emulated bf16 runs 2x to 50x slower than float32. An explicit value is always used. Without
+    >   an accelerator, `use_cpu` is set.
+    > - `activation_checkpointing`: Defaults to `True`, TRL's default for its deprecated alias
+    >   `gradient_checkpointing` (set either; the new name avoids transformers' deprecation warning).
     """
 
     learning_rate: float = field(
         default=1e-6,
         metadata={"help": "The initial learning rate for AdamW."},
+    )
+    bf16: bool | None = field(
+        default=None,
+        metadata={
+            "help": "bf16 mixed precision. Defaults to the hardware: on where the training device computes bf16 "
+            "natively (GPUs from Ampere on, CPUs with AMX or AVX512-BF16), off elsewhere, where it is far slower."
+        },
+    )
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={"help": "Deprecated alias of `activation_checkpointing` (transformers), which defaults to True."},
     )
 
     # Parameters that control the TOPR objective
@@ -169,6 +203,7 @@ class TOPRConfig(SFTConfig):
         return state
 
     def __post_init__(self):
+        apply_training_defaults(self)
         super().__post_init__()
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"Unknown `loss_type` {self.loss_type!r}: expected one of {LOSS_TYPES}.")

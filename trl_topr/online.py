@@ -9,7 +9,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
 from .composition import baseline_for_positive_fraction
-from .config import TOPRConfig
+from .config import TOPRConfig, apply_training_defaults
 from .loss import (
     LOSS_NORMALIZATIONS,
     LOSS_TYPES,
@@ -72,6 +72,8 @@ class TOPRGRPOConfig(GRPOConfig):
             `0.0` if its rewards are all equal.
         group_baseline (`bool`, *optional*, defaults to `False`):
             c is the mean reward of the prompt's `num_generations` completions: GRPO's baseline, without its scaling.
+
+    `bf16` and `activation_checkpointing` default as in [`TOPRConfig`]: bf16 where the hardware computes it natively.
     """
 
     loss_type: str = _like_topr("loss_type", help="TOPR's weighting: 'topr', 'reinforce', 'is', 'tis', "
@@ -90,9 +92,13 @@ class TOPRGRPOConfig(GRPOConfig):
         default=False, metadata={"help": "Use the mean reward of each prompt's completions as the baseline."}
     )
 
+    bf16: bool | None = _like_topr("bf16")
+    gradient_checkpointing: bool | None = _like_topr("gradient_checkpointing")
+
     __getstate__ = TOPRConfig.__getstate__  # the pickled arguments never carry the Hub token
 
     def __post_init__(self):
+        apply_training_defaults(self)  # the precision from the hardware, as TOPRConfig
         super().__post_init__()
         for name, allowed in zip(("loss_type", "ratio_level", "loss_normalization"),
                                  (LOSS_TYPES, RATIO_LEVELS, LOSS_NORMALIZATIONS), strict=True):

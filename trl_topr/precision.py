@@ -1,0 +1,129 @@
+"""Precision chosen from the hardware: bf16 where the device computes it natively, float32 elsewhere.
+
+TRL's configurations turn bf16 mixed precision on by default. That is right on recent GPUs and on CPUs with AMX, and
+very wrong on the many CPUs without native bf16 units, where bf16 matmuls are emulated: measured with 1024x1024
+matmuls, bf16 is about 2x faster than float32 with AMX, 2x slower on AVX512 without AVX512-BF16, and 50x slower with
+AVX2 only. Every place of this library that trains, samples or evaluates a model follows [`has_native_bf16`] when the
+user has not chosen a precision.
+"""
+
+import logging
+
+import torch
+
+
+logger = logging.getLogger(__name__)
+_warned = set()
+
+
+def device_type(use_cpu: bool = False) -> str:
+    """
+    The type of the device a trainer runs on: `"cpu"` with `use_cpu` or without an accelerator, else the accelerator's
+    (`"cuda"`, `"xpu"`, ...).
+
+    Args:
+        use_cpu (`bool`, *optional*, defaults to `False`):
+            The `use_cpu` training argument.
+
+    Returns:
+        `str`: the device type.
+    """
+    if use_cpu or not torch.accelerator.is_available():
+        return "cpu"
+    return torch.accelerator.current_accelerator().type
+
+
+def has_native_bf16(device: str | torch.device | None = None) -> bool:
+    """
+    Whether a device computes bf16 natively, so that bf16 runs faster than float32 there.
+
+    - CUDA: GPUs with bf16 units (Ampere and newer); emulated bf16 does not count.
+    - CPU: AMX or AVX512-BF16 instructions.
+    - Other accelerators: assumed, as TRL's default.
+
+    Args:
+        device (`str` or `torch.device`, *optional*):
+            The device or its type. Defaults to the one a trainer would use (see [`device_type`]).
+
+    Returns:
+        `bool`: `True` where bf16 is native.
+
+    Example:
+    ```python
+    >>> from trl_topr.precision import has_native_bf16
+
+    >>> has_native_bf16("cpu") in (True, False)  # AMX / AVX512-BF16 CPUs: True; AVX2 or plain AVX512: False
+    True
+
+    ```
+    """
+    kind = torch.device(device).type if device is not None else device_type()
+    if kind == "cpu":
+        return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    if kind == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+    return True
+
+
+def resolve_bf16(bf16: bool | None, fp16: bool = False, use_cpu: bool = False) -> bool:
+    """
+    The `bf16` setting to train with: the user's choice when given, else bf16 where the training device has it
+    natively (see [`has_native_bf16`]) and fp16 is not asked for. An explicit `bf16=True` on a CPU without native bf16
+    is respected, with a warning.
+
+    Args:
+        bf16 (`bool`, *optional*):
+            The user's choice; `None` when not set.
+        fp16 (`bool`, *optional*, defaults to `False`):
+            Whether fp16 mixed precision is asked for.
+        use_cpu (`bool`, *optional*, defaults to `False`):
+            Whether training runs on the CPU although an accelerator is present.
+
+    Returns:
+        `bool`: whether to train in bf16 mixed precision.
+    """
+    device = device_type(use_cpu)
+    if bf16 is None:
+        return not fp16 and has_native_bf16(device)
+    if bf16 and device == "cpu" and not has_native_bf16("cpu") and "cpu" not in _warned:
+        _warned.add("cpu")
+        logger.warning(
+            "bf16=True on a CPU without native bf16 (no AMX or AVX512-BF16): bf16 is emulated there and runs 2x to 50x "
+            "slower than float32. Pass `--bf16 false` (`bf16=False`), or leave `bf16` unset and trl-topr picks the "
+            "faster precision for this machine."
+        )
+    return bf16
+
+
+def apply_precision_defaults(args) -> None:
+    """
+    Set the precision of a TRL training configuration from the hardware, in place, before `TrainingArguments`
+    validates it: `bf16` as [`resolve_bf16`] decides and, on a machine without an accelerator, `use_cpu=True` (which
+    transformers requires for bf16 on a CPU, and which changes nothing else there).
+
+    Args:
+        args ([`~trl.SFTConfig`] or [`~trl.GRPOConfig`]):
+            A configuration whose `__post_init__` has not run yet (`bf16` may still be `None`).
+    """
+    if not torch.accelerator.is_available():
+        args.use_cpu = True
+    args.bf16 = resolve_bf16(args.bf16, args.fp16, args.use_cpu)
+
+
+def autocast(device: str | torch.device, bf16: bool | None = None):
+    """
+    The autocast context that inference (sampling, evaluation) runs under: bf16 where `bf16` says so (by default
+    where the device has native bf16), else a no-op.
+
+    Args:
+        device (`str` or `torch.device`):
+            The model's device.
+        bf16 (`bool`, *optional*):
+            Whether to compute in bf16. Defaults to [`has_native_bf16`] of the device.
+
+    Returns:
+        `torch.autocast`: the context manager.
+    """
+    kind = torch.device(device).type
+    enabled = has_native_bf16(kind) if bf16 is None else bf16
+    return torch.autocast(device_type=kind, dtype=torch.bfloat16, enabled=enabled)
