@@ -8,7 +8,7 @@ from conftest import make_args
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl_topr import TOPRTrainer
+from trl_topr import TOPRDataError, TOPRTrainer
 from trl_topr.sampling import sample_completions, score_completions
 
 
@@ -74,15 +74,44 @@ def test_same_seed_same_samples_and_greedy_is_deterministic(model_and_tokenizer,
     assert completions[0] == completions[1] == completions[2]
 
 
-def test_empty_completions_are_dropped_not_fatal(model_and_tokenizer, tmp_path, caplog):
-    # A model that ends every completion at once (EOS forced at the length limit of 1 new token).
+@pytest.mark.parametrize("conversational", [False, True])
+def test_empty_completions_are_kept_and_trainable(model_and_tokenizer, tmp_path, conversational):
+    # A model that ends every completion at once (EOS forced at the length limit of 1 new token): each sample is the
+    # decision to stop, kept with its reward and trained on its end-of-sequence token.
     model, tokenizer = model_and_tokenizer
     model.generation_config.forced_eos_token_id = tokenizer.eos_token_id
-    with caplog.at_level("WARNING"):
-        data = sample_completions(model, prompts(False), has_digit, processing_class=tokenizer, num_samples=2,
-                                  max_new_tokens=1, args=make_args(tmp_path), progress=False)
-    assert len(data) == 0 and "behavior_logps" in data.column_names
-    assert "6 of 6 sampled completions are empty" in caplog.text
+    args = make_args(tmp_path, max_steps=1, per_device_train_batch_size=6)
+    data = sample_completions(model, prompts(conversational), has_digit, processing_class=tokenizer, num_samples=2,
+                              max_new_tokens=1, args=args, progress=False)
+    assert len(data) == 6 and set(data["reward"]) == {-1.0}
+    assert all(len(values) >= 1 for values in data["behavior_logps"])
+    trainer = TOPRTrainer(model, args=args, train_dataset=data, processing_class=tokenizer)
+    trainer.train()
+    assert trainer.state.log_history[0]["negative_weight_mean"] == pytest.approx(1.0)
+
+
+def test_samples_train_under_a_max_length_that_cuts_them(model_and_tokenizer, tmp_path):
+    # The behavior log-probs cover whole completions; training cuts them with the completion, so the sampler's output
+    # trains with the very configuration it was sampled for.
+    model, tokenizer = model_and_tokenizer
+    args = make_args(tmp_path, max_length=16, max_steps=1, per_device_train_batch_size=6)
+    data = sample_completions(model, prompts(False), has_digit, processing_class=tokenizer, num_samples=2,
+                              max_new_tokens=20, args=args, progress=False)
+    assert max(len(values) for values in data["behavior_logps"]) > 10  # some completions exceed what fits
+    trainer = TOPRTrainer(model, args=args, train_dataset=data, processing_class=tokenizer)
+    assert max(len(ids) for ids in trainer.train_dataset["input_ids"]) == 16
+    trainer.train()
+    assert abs(trainer.state.log_history[0]["log_ratio_max"]) < 1e-4  # the kept tokens' log-probs are mu's
+
+
+def test_a_prompt_that_fills_max_length_is_refused_before_sampling(model_and_tokenizer, tmp_path, monkeypatch):
+    model, tokenizer = model_and_tokenizer
+    long_prompts = prompts(False).map(lambda row, i: {"prompt": row["prompt"] * (10 if i == 2 else 1)},
+                                      with_indices=True)
+    monkeypatch.setattr(model, "generate", lambda *a, **k: pytest.fail("generated before checking the prompts"))
+    with pytest.raises(TOPRDataError, match=r"column 'prompt', row 2: the prompt has \d+ tokens"):
+        sample_completions(model, long_prompts, has_digit, processing_class=tokenizer, num_samples=2,
+                           max_new_tokens=4, args=make_args(tmp_path, max_length=32), progress=False)
 
 
 def test_model_given_as_a_path(tiny_model_path, tmp_path):
@@ -200,3 +229,18 @@ def test_vllm_engine_on_gpu(tiny_model_path, tmp_path):
     trainer = TOPRTrainer(model, args=args, train_dataset=data)
     trainer.train()
     assert abs(trainer.state.log_history[0]["log_ratio_max"]) < 1e-3
+
+
+def test_shared_prompt_cache_generates_what_plain_generation_does(model_and_tokenizer):
+    # Each prompt's key/values are computed once for its copies: greedy decoding from the shared cache and from
+    # copies of the prompts give the same tokens, prompts of different lengths (left padding) included.
+    from trl_topr.sampling import _prompt_cache_inputs
+
+    model, tokenizer = model_and_tokenizer
+    ids = [tokenizer(text)["input_ids"] for text in ("What is 2 + 3?", "Tell me a story about a cat and a dog.")]
+    inputs = dict(tokenizer.pad({"input_ids": ids}, padding_side="left", return_tensors="pt"))
+    settings = dict(do_sample=False, max_new_tokens=8, pad_token_id=tokenizer.pad_token_id)
+    cached = _prompt_cache_inputs(model, inputs, 3)
+    assert "past_key_values" in cached and cached["input_ids"].size(0) == 6
+    plain = model.generate(**{k: v.repeat_interleave(3, dim=0) for k, v in inputs.items()}, **settings)
+    torch.testing.assert_close(model.generate(**cached, **settings), plain, rtol=0, atol=0)

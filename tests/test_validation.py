@@ -69,12 +69,15 @@ CASES = {
         "column 'behavior_logps', row 0",
         "3 per-token values for",
     ),
-    "empty completion": (lambda: replace(standard_dataset(), "completion", 6, ""), "column 'completion', row 6",
-                         "empty completion"),
-    "empty conversational completion": (
-        lambda: replace(conversational_dataset(), "completion", 1, [{"role": "assistant", "content": ""}]),
+    "conversational completion without a message": (
+        lambda: replace(conversational_dataset(), "completion", 1, []),
         "column 'completion', row 1",
-        "empty completion",
+        "at least one message",
+    ),
+    "completion without a token to train on": (  # empty prompt, no BOS: the lone EOS token has no context
+        lambda: replace(replace(standard_dataset(), "prompt", 6, ""), "completion", 6, "<|im_end|>"),
+        "column 'completion', row 6",
+        "no token to train on",
     ),
     "message without content": (
         lambda: replace(conversational_dataset(), "prompt", 2, [{"role": "user", "content": None}]),
@@ -167,5 +170,20 @@ def test_empty_prompt_trains_and_its_first_token_is_not_counted(tiny_model_path,
     row = trainer.train_dataset[0]
     assert row["labels"][0] == -100
     assert len(row["behavior_logps"]) == sum(label != -100 for label in row["labels"])
+    trainer.train()
+    assert all(math.isfinite(e["loss"]) for e in trainer.state.log_history if "loss" in e)
+
+
+@pytest.mark.parametrize("make_dataset", [standard_dataset, conversational_dataset])
+def test_empty_completion_trains_on_the_decision_to_stop(make_dataset, tiny_model_path, tmp_path):
+    # A model that ends at once produced an empty completion: it is a valid sample, trained on the end-of-sequence
+    # token (text) or the end of the assistant turn (messages).
+    empty = "" if make_dataset is standard_dataset else [{"role": "assistant", "content": ""}]
+    dataset = replace(make_dataset(), "completion", 3, empty)
+    trainer = TOPRTrainer(tiny_model_path, args=make_args(tmp_path, max_steps=2), train_dataset=dataset)
+    row = trainer.train_dataset.filter(lambda r: "What is 3 + 3?" in str(r["prompt"]))[0]
+    tokens = [t for t, label in zip(row["input_ids"], row["labels"]) if label != -100]
+    assert tokens[0] == trainer.processing_class.eos_token_id
+    assert len(row["behavior_logps"]) == len(tokens)
     trainer.train()
     assert all(math.isfinite(e["loss"]) for e in trainer.state.log_history if "loss" in e)

@@ -7,6 +7,10 @@ A TOPR dataset has one row per completion, with columns (names configurable in [
 - `behavior_logps` (optional): log mu of the completion, one float (summed over the completion tokens) or a list with
   one float per completion token.
 
+Every row must keep at least one completion token after tokenization and `max_length` truncation. An empty
+completion does: it is trained on what the tokenization adds after it (the EOS token of text, the end of the
+assistant turn of messages), the decision to stop at once.
+
 Errors name the column and the first offending row, and are raised before any model is loaded or trained.
 """
 
@@ -45,7 +49,7 @@ def completion_text(completion) -> str:
     return completion if isinstance(completion, str) else completion[-1]["content"]
 
 
-def _check_text(value: Any, conversational: bool, dataset_name: str, column: str, row: int, allow_empty: bool):
+def _check_text(value: Any, conversational: bool, dataset_name: str, column: str, row: int, is_completion: bool):
     if conversational:
         if not isinstance(value, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), (str, list))
@@ -61,8 +65,8 @@ def _check_text(value: Any, conversational: bool, dataset_name: str, column: str
         unknown = [m["role"] for m in value if m["role"] not in KNOWN_ROLES]
         if unknown:
             raise _fail(dataset_name, column, row, f"unknown role {unknown[0]!r}: expected one of {KNOWN_ROLES}.")
-        if not allow_empty and not any(m["content"] for m in value):
-            raise _fail(dataset_name, column, row, "empty completion: there is nothing to train on.")
+        if is_completion and not value:
+            raise _fail(dataset_name, column, row, "a completion needs at least one message, got [].")
     else:
         if not isinstance(value, str):
             raise _fail(
@@ -71,8 +75,6 @@ def _check_text(value: Any, conversational: bool, dataset_name: str, column: str
                 row,
                 f"expected a string (row 0's prompt is text), got {type(value).__name__}: {value!r}.",
             )
-        if not allow_empty and not value:
-            raise _fail(dataset_name, column, row, "empty completion: there is nothing to train on.")
 
 
 def validate_and_standardize(dataset: Dataset, args, dataset_name: str = "train") -> Dataset:
@@ -115,12 +117,13 @@ def validate_and_standardize(dataset: Dataset, args, dataset_name: str = "train"
             f"column) (found {columns})."
         )
 
-    # Prompts and completions: one format (standard or conversational) for the whole dataset, non-empty completions.
+    # Prompts and completions: one format (standard or conversational) for the whole dataset. An empty completion is
+    # valid: it is trained on what the tokenization adds after it (the EOS token, the end of the assistant turn).
     prompts, completions = dataset[args.prompt_column], dataset[args.completion_column]
     conversational = isinstance(prompts[0], list)
     for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
-        _check_text(prompt, conversational, dataset_name, args.prompt_column, row, allow_empty=True)
-        _check_text(completion, conversational, dataset_name, args.completion_column, row, allow_empty=False)
+        _check_text(prompt, conversational, dataset_name, args.prompt_column, row, is_completion=False)
+        _check_text(completion, conversational, dataset_name, args.completion_column, row, is_completion=True)
 
     # Rewards: finite numbers, or booleans in the label column.
     if has_reward:
@@ -222,7 +225,13 @@ def check_and_truncate_tokens(dataset: Dataset, max_length: int | None, dataset_
             needs_rewrite = True
         num_completion = sum(label != -100 for label in labels)
         if num_completion == 0:
-            raise _fail(dataset_name, COMPLETION, row, "the completion has no token after tokenization.")
+            raise _fail(
+                dataset_name,
+                COMPLETION,
+                row,
+                "the completion has no token to train on after tokenization (e.g. a single-token sequence with an "
+                "empty prompt: its first token has no context to be predicted from).",
+            )
         if per_token and len(behavior[row]) != num_completion:
             raise _fail(
                 dataset_name,

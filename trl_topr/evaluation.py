@@ -25,6 +25,7 @@ def evaluate_policy(
     batch_size: int = 16,
     seed: int = 0,
     progress: bool = True,
+    bf16: bool | None = None,
 ) -> dict[str, float]:
     """
     Accuracy and validity of a policy's answers, as the TOPR paper reports them.
@@ -58,6 +59,8 @@ def evaluate_policy(
             Seed of the sampling.
         progress (`bool`, *optional*, defaults to `True`):
             Show progress bars.
+        bf16 (`bool`, *optional*):
+            Generate under bf16 autocast. Defaults to the hardware (see [`~trl_topr.precision.has_native_bf16`]).
 
     Returns:
         `dict[str, float]`: `pass@1_greedy` (greedy accuracy), `pass@1` (mean accuracy of the samples),
@@ -74,7 +77,7 @@ def evaluate_policy(
         _, per_func = score_completions(prompt_list, completions, {"correct": correct_func}, **repeated)
         return [value > 0 for value in per_func["correct"]]
 
-    settings = dict(max_new_tokens=max_new_tokens, batch_size=batch_size, progress=progress)
+    settings = dict(max_new_tokens=max_new_tokens, batch_size=batch_size, progress=progress, bf16=bf16)
     greedy, _, _ = generate_completions(model, processing_class, prompts, temperature=0, **settings)
     set_seed(seed)
     sampled, sampled_ids, _ = generate_completions(

@@ -172,7 +172,9 @@ def run_topr_loop(
     def evaluate(policy) -> dict[str, float]:
         if eval_prompts is None:
             return {}
-        return evaluate_policy(policy, processing_class, eval_prompts, correct_func, answer_func, **eval_kwargs)
+        return evaluate_policy(
+            policy, processing_class, eval_prompts, correct_func, answer_func, **{"bf16": args.bf16, **eval_kwargs}
+        )  # in the training precision unless `eval_kwargs` says otherwise
 
     def record(metrics: dict[str, Any]) -> None:
         if state.is_main_process:

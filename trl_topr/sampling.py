@@ -24,12 +24,13 @@ from accelerate.logging import get_logger
 from accelerate.utils import gather_object
 from datasets import Dataset
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, set_seed
+from transformers import AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase, set_seed
 from trl.data_utils import _tokenize
 from trl.trainer.utils import create_model_from_path
 
 from .config import TOPRConfig
-from .data import BEHAVIOR_LOGPS, COMPLETION, PROMPT, REWARD, completion_text
+from .data import BEHAVIOR_LOGPS, COMPLETION, PROMPT, REWARD, TOPRDataError
+from .precision import autocast
 
 
 logger = get_logger(__name__)
@@ -175,6 +176,7 @@ def generate_completions(
     seed: int | None = None,
     vllm_engine=None,
     progress: bool = True,
+    bf16: bool | None = None,
 ) -> tuple[list, list[list[int]], float]:
     """
     Generate `num_samples` completions per prompt, with `model.generate` (batched, left padding) or a vLLM engine.
@@ -182,7 +184,8 @@ def generate_completions(
     Prompts are tokenized as [`TOPRTrainer`] tokenizes them (the chat template with a generation prompt for messages),
     so the model samples in the context it is trained in. `temperature=0` decodes greedily. Under several processes
     (`accelerate launch`), each generates a share of the prompts with its copy of the model and every process gets all
-    the completions, in prompt order.
+    the completions, in prompt order. With transformers, the key/values of each prompt are computed once and shared by
+    its `num_samples` completions.
 
     Args:
         model ([`~transformers.PreTrainedModel`]):
@@ -210,6 +213,9 @@ def generate_completions(
             the same weights as `model`.
         progress (`bool`, *optional*, defaults to `True`):
             Show a progress bar over prompts, with the throughput.
+        bf16 (`bool`, *optional*):
+            Generate under bf16 autocast. Defaults to the hardware: where the model's device computes bf16 natively
+            (see [`~trl_topr.precision.has_native_bf16`]).
 
     Returns:
         `tuple[list, list[list[int]], float]`: the completions (prompt-major: the samples of prompt 0 first; messages
@@ -219,7 +225,7 @@ def generate_completions(
     state = PartialState()
     settings = dict(
         num_samples=num_samples, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
-        batch_size=batch_size, seed=seed, vllm_engine=vllm_engine,
+        batch_size=batch_size, seed=seed, vllm_engine=vllm_engine, bf16=bf16,
     )  # fmt: skip
     if state.num_processes == 1 or vllm_engine is not None:
         return _generate_local(model, processing_class, prompts, progress=progress, **settings)
@@ -241,10 +247,34 @@ def end_of_sequence_ids(model: PreTrainedModel | None, processing_class: PreTrai
     return eos_ids
 
 
+def _prompt_ids(processing_class, prompt) -> list[int]:
+    # As TOPRTrainer tokenizes a prompt: text as is, messages with the chat template and its generation prompt.
+    if isinstance(prompt, list):
+        return _tokenize(processing_class, prompt, add_generation_prompt=True)["input_ids"]
+    return _tokenize(processing_class, prompt)["input_ids"]
+
+
+def _prompt_cache_inputs(model: PreTrainedModel, inputs: dict[str, torch.Tensor], copies: int) -> dict[str, Any]:
+    """
+    Inputs of `model.generate` for `copies` completions of each prompt of `inputs` (left-padded `input_ids` and
+    `attention_mask`), with the prompts' key/values computed once and shared by their copies, as a cache of all but
+    the last prompt token. `model.generate(num_return_sequences=copies)` would compute them for every copy: with
+    several samples per prompt, the prompts are most of the cost.
+    """
+    expanded = {name: tensor.repeat_interleave(copies, dim=0) for name, tensor in inputs.items()}
+    if copies == 1 or inputs["input_ids"].size(1) < 2 or not model._supports_default_dynamic_cache():
+        return expanded
+    cache = DynamicCache(config=model.config)
+    model(input_ids=inputs["input_ids"][:, :-1], attention_mask=inputs["attention_mask"][:, :-1],
+          past_key_values=cache, use_cache=True)  # fmt: skip
+    cache.batch_repeat_interleave(copies)
+    return {**expanded, "past_key_values": cache}
+
+
 @torch.no_grad()
 def _generate_local(
     model, processing_class, prompts, *, num_samples, temperature, top_p, top_k, max_new_tokens, batch_size, seed,
-    vllm_engine, progress,
+    vllm_engine, progress, bf16,
 ):
     tokenizer = getattr(processing_class, "tokenizer", processing_class)
     eos_ids = end_of_sequence_ids(model, processing_class)
@@ -257,26 +287,22 @@ def _generate_local(
         model.eval()
     for first in range(0, len(prompts), batch_size):
         batch = prompts[first : first + batch_size]
-        prompt_ids = [
-            _tokenize(processing_class, p, add_generation_prompt=True)["input_ids"] if isinstance(p, list)
-            else _tokenize(processing_class, p)["input_ids"]
-            for p in batch
-        ]
+        prompt_ids = [_prompt_ids(processing_class, p) for p in batch]
         if vllm_engine is not None:
             kwargs = vllm_sampling_kwargs(num_samples, temperature, top_p, top_k, max_new_tokens, seed)
             generated = _generate_vllm(vllm_engine, prompt_ids, kwargs)
         else:
             inputs = tokenizer.pad({"input_ids": prompt_ids}, padding_side="left", return_tensors="pt").to(model.device)
-            outputs = model.generate(
-                **inputs,
-                do_sample=not greedy,
-                temperature=None if greedy else temperature,
-                top_p=None if greedy else top_p,
-                top_k=None if greedy else top_k,
-                max_new_tokens=max_new_tokens,
-                num_return_sequences=1 if greedy else num_samples,
-                pad_token_id=pad_id,
-            )
+            with autocast(model.device, bf16):
+                outputs = model.generate(
+                    **_prompt_cache_inputs(model, dict(inputs), 1 if greedy else num_samples),
+                    do_sample=not greedy,
+                    temperature=None if greedy else temperature,
+                    top_p=None if greedy else top_p,
+                    top_k=None if greedy else top_k,
+                    max_new_tokens=max_new_tokens,
+                    pad_token_id=pad_id,
+                )
             generated = outputs[:, inputs["input_ids"].size(1) :].tolist()
         if greedy:  # every sample of a prompt is the same greedy completion
             generated = [ids for ids in generated for _ in range(num_samples)]
@@ -293,6 +319,20 @@ def _generate_local(
         prompt = prompts[index // num_samples]
         completions.append([{"role": "assistant", "content": text}] if isinstance(prompt, list) else text)
     return completions, sequences, sum(map(len, sequences)) / max(time.perf_counter() - start, 1e-9)
+
+
+def _check_prompts_fit(processing_class, prompts: list, max_length: int | None) -> None:
+    # A prompt of `max_length` tokens or more leaves no completion token to train on: say so before generating.
+    if max_length is None:
+        return
+    for row, prompt in enumerate(prompts):
+        length = len(_prompt_ids(processing_class, prompt))
+        if length >= max_length:
+            raise TOPRDataError(
+                f"prompts dataset, column '{PROMPT}', row {row}: the prompt has {length} tokens, which fill "
+                f"`max_length` ({max_length}): no completion token would be left to train on. Raise `max_length` "
+                "or shorten the prompt."
+            )
 
 
 def sample_completions(
@@ -355,8 +395,13 @@ def sample_completions(
 
     Returns:
         [`~datasets.Dataset`]: one row per completion with `prompt`, `completion`, `reward`, `behavior_logps` (one
-        value per completion token), one column per reward function, and the prompt's other columns — the
-        [`TOPRTrainer`] data contract. Empty completions (the model ended at once) are dropped, with a warning.
+        value per completion token, the whole completion), one column per reward function, and the prompt's other
+        columns — the [`TOPRTrainer`] data contract, trainable with `args`. An empty completion (the model ended at
+        once) is kept: it is trained on its end-of-sequence token, the decision to stop.
+
+    Raises:
+        [`TOPRDataError`]: before anything is generated, when a prompt leaves no room for a completion within
+        `args.max_length`.
     """
     from .trainer import TOPRTrainer  # the trainer computes the behavior log-probs exactly as it will train
 
@@ -365,9 +410,12 @@ def sample_completions(
     with tempfile.TemporaryDirectory() as scratch:
         if args is None:
             args = TOPRConfig(output_dir=scratch, use_cpu=not torch.cuda.is_available(), report_to="none")
+        max_length = args.max_length
+        # The scoring trainer keeps every completion token (`max_length=None`): the per-token behavior log-probs cover
+        # the whole completion, and training truncates them with it, whatever its `max_length`.
         args = dataclasses.replace(
-            args, output_dir=scratch, report_to="none", gradient_checkpointing=False, shuffle_dataset=False,
-            precompute_behavior_batch_size=batch_size, push_to_hub=False, prompt_column=PROMPT,
+            args, output_dir=scratch, report_to="none", activation_checkpointing=False, shuffle_dataset=False,
+            precompute_behavior_batch_size=batch_size, push_to_hub=False, prompt_column=PROMPT, max_length=None,
             completion_column=COMPLETION, reward_column=REWARD, behavior_logps_column=BEHAVIOR_LOGPS,
         )  # fmt: skip
         if isinstance(model, str):
@@ -375,13 +423,14 @@ def sample_completions(
         args = dataclasses.replace(args, model_init_kwargs=None)  # the scoring trainer gets the loaded model
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
+        prompts = list(dataset[PROMPT])
+        _check_prompts_fit(processing_class, prompts, max_length)
 
         set_seed(seed + PartialState().process_index)  # processes sample different shares of the prompts
-        prompts = list(dataset[PROMPT])
         completions, completion_ids, tokens_per_s = generate_completions(
             model, processing_class, prompts, num_samples=num_samples, temperature=temperature, top_p=top_p,
             top_k=top_k, max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed, vllm_engine=vllm_engine,
-            progress=progress,
+            progress=progress, bf16=args.bf16,
         )  # fmt: skip
         logger.info(f"Sampled {len(completions)} completions at {tokens_per_s:.1f} tokens/s.")
         rows = [i for i in range(len(dataset)) for _ in range(num_samples)]
@@ -395,17 +444,6 @@ def sample_completions(
         for name, values in per_func.items():
             samples = samples.remove_columns(name) if name in samples.column_names else samples
             samples = samples.add_column(name, values)
-        # A completion that is only the end-of-sequence token has nothing for TOPRTrainer to train on.
-        kept = [i for i, c in enumerate(completions) if completion_text(c)]
-        if len(kept) < len(samples):
-            logger.warning(
-                f"{len(samples) - len(kept)} of {len(samples)} sampled completions are empty (the model ended at "
-                "once): they are dropped, since TOPRTrainer refuses empty completions."
-            )
-            samples = samples.select(kept).flatten_indices()
-        if len(samples) == 0:
-            return Dataset.from_dict({**samples.to_dict(), BEHAVIOR_LOGPS: []})
-
         was_training = model.training
         scorer = TOPRTrainer(model, args=args, train_dataset=samples, processing_class=processing_class)
         behavior = list(scorer.train_dataset[BEHAVIOR_LOGPS])
