@@ -95,7 +95,7 @@ def pretrain_reverser(folder: str, numbers: list[int]) -> str:
     data = Dataset.from_list([{"prompt": r["prompt"], "completion": " " + r["answer"]} for r in rows])
     args = SFTConfig(output_dir=str(Path(folder) / "sft"), use_cpu=True, bf16=False, report_to="none", seed=0,
                      max_steps=130, per_device_train_batch_size=32, learning_rate=3e-3, save_strategy="no",
-                     logging_steps=10**6, gradient_checkpointing=False, disable_tqdm=True)
+                     logging_steps=10**6, activation_checkpointing=False, disable_tqdm=True)
     trainer = SFTTrainer(folder, args=args, train_dataset=data)
     trainer.remove_callback(PrinterCallback)
     trainer.train()
@@ -121,7 +121,7 @@ def setup(scale: str, work: str, quick: bool) -> dict:
         from gsm8k import arithmetic_problems, few_shot_prompts
 
         from trl_topr.rewards import extract_final_answer, gsm8k_reward
-        from trl_topr.scripts.utils import smollm2_path
+        from trl_topr.embedded import smollm2_path
 
         # the README's embedded task: its 160 training and 83 test questions, its one-shot prompt
         model, problems = smollm2_path(), arithmetic_problems(0)
@@ -138,7 +138,7 @@ def common_args(setting: dict, out: str, seed: int) -> dict:
         "output_dir": out, "use_cpu": True, "bf16": setting["bf16"], "report_to": "none", "seed": seed,
         "learning_rate": setting["lr"], "lr_scheduler_type": "constant", "warmup_steps": 0, "weight_decay": 0.0,
         "max_grad_norm": 1.0, "per_device_train_batch_size": setting["batch"], "num_train_epochs": setting["epochs"],
-        "logging_steps": 10**6, "save_strategy": "no", "gradient_checkpointing": False, "disable_tqdm": True,
+        "logging_steps": 10**6, "save_strategy": "no", "activation_checkpointing": False, "disable_tqdm": True,
         "dataloader_num_workers": 0,
     }
 

@@ -37,7 +37,7 @@ def prompts_and_model(quick: bool, work: str):
     sys.path.insert(0, str(ROOT / "recipes"))
     from gsm8k import arithmetic_problems, few_shot_prompts
 
-    from trl_topr.scripts.utils import smollm2_path
+    from trl_topr.embedded import smollm2_path
 
     problems = arithmetic_problems(0)
     return list(few_shot_prompts(problems[1:33], problems[:1])["prompt"]), smollm2_path()

@@ -164,7 +164,7 @@ def main(script_args: GSM8KArguments, training_args: TOPRConfig, model_args: Mod
     """Run the rounds, print the evaluation before and after, publish; return the per-round metrics."""
     model = model_args.model_name_or_path
     if model is None:
-        from trl_topr.scripts.utils import smollm2_path
+        from trl_topr.embedded import smollm2_path
 
         with training_args.main_process_first(desc="SmolLM2 conversion"):
             model = smollm2_path()

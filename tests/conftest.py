@@ -84,7 +84,7 @@ def make_args(output_dir, **kwargs) -> TOPRConfig:
         max_steps=2,
         logging_steps=1,
         save_strategy="no",
-        gradient_checkpointing=False,
+        activation_checkpointing=False,
         learning_rate=1e-3,
         seed=0,
         dataloader_num_workers=0,

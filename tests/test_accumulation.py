@@ -103,7 +103,7 @@ def test_online_metrics_are_weighted_by_their_counts(tiny_model_path, tmp_path):
     varied_reward.seen = []
     args = TOPRGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", num_generations=4,
                           per_device_train_batch_size=4, gradient_accumulation_steps=2, max_completion_length=8,
-                          max_steps=1, logging_steps=1, save_strategy="no", gradient_checkpointing=False,
+                          max_steps=1, logging_steps=1, save_strategy="no", activation_checkpointing=False,
                           learning_rate=1e-3, seed=1)
     prompts = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"What is {i} + 3?"}] for i in range(8)]})
     trainer = TOPRGRPOTrainer(tiny_model_path, varied_reward, args=args, train_dataset=prompts)

@@ -2,8 +2,10 @@
 
 from conftest import make_args, standard_dataset
 from peft import LoraConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_topr import TOPRTrainer
+from trl_topr.embedded import GGUF_NAME, SOURCE
 
 
 def test_push_to_hub_uploads_the_adapter_and_a_topr_card(hub, tiny_model_path, tmp_path, monkeypatch):
@@ -40,3 +42,36 @@ def test_full_model_push_uploads_weights(hub, tiny_model_path, tmp_path):
     trainer.push_to_hub()
     (commit,) = hub["commits"]
     assert {"model.safetensors", "config.json", "README.md"} <= set(commit["files"])
+
+
+def card_after_training(model, tokenizer_path, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    trainer = TOPRTrainer(model, args=make_args(tmp_path / "out", max_steps=1), train_dataset=standard_dataset(),
+                          processing_class=tokenizer)
+    trainer.train()
+    trainer.save_model()
+    return (tmp_path / "out" / "README.md").read_text()
+
+
+def test_card_names_a_local_base_model(tiny_model_path, tmp_path):
+    card = card_after_training(AutoModelForCausalLM.from_pretrained(tiny_model_path), tiny_model_path, tmp_path)
+    assert f"fine-tuned version of `{tiny_model_path}`" in card
+    assert f'model="{tmp_path / "out"}"' in card  # the quick start loads the saved folder
+    assert "None" not in card
+
+
+def test_card_names_the_gguf_file_a_model_was_converted_from(tiny_model_path, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    model.config.converted_from = SOURCE  # as `smollm2_path` records it
+    model.save_pretrained(tmp_path / "converted")
+    card = card_after_training(AutoModelForCausalLM.from_pretrained(tmp_path / "converted"), tiny_model_path, tmp_path)
+    assert f"fine-tuned version of `{SOURCE}`" in card and GGUF_NAME in card
+    assert "None" not in card
+
+
+def test_card_links_a_hub_base_model(tiny_model_path, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    model.config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    card = card_after_training(model, tiny_model_path, tmp_path)
+    assert "[HuggingFaceTB/SmolLM2-135M-Instruct](https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct)" in card
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card

@@ -43,7 +43,7 @@ def grpo_args(output_dir, **kwargs) -> TOPRGRPOConfig:
         max_steps=2,
         logging_steps=1,
         save_strategy="no",
-        gradient_checkpointing=False,
+        activation_checkpointing=False,
         learning_rate=1e-2,
         seed=0,
     )
@@ -162,7 +162,7 @@ def test_trl_grpo_script_runs_with_the_class_name_swapped(tiny_model_path, tmp_p
         "--reward_funcs", "my_rewards.digit_reward",
         "--output_dir", str(tmp_path / "out"), "--use_cpu", "--bf16", "False", "--report_to", "none",
         "--num_generations", "2", "--per_device_train_batch_size", "2", "--max_completion_length", "8",
-        "--max_steps", "2", "--logging_steps", "1", "--save_strategy", "no", "--gradient_checkpointing", "False",
+        "--max_steps", "2", "--logging_steps", "1", "--save_strategy", "no", "--activation_checkpointing", "False",
         "--loss_type", "topr", "--negative_ratio_bounds", "0", "1", "--steps_per_generation", "2",
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",

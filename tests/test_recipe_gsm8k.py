@@ -26,7 +26,7 @@ def tiny_run(tiny_model_path, output_dir, **overrides):
                   max_new_tokens=8, eval_num_samples=2, sampling_batch_size=8, top_k=0)
     script.update({k: v for k, v in overrides.items() if k in gsm8k.GSM8KArguments.__dataclass_fields__})
     training = dict(output_dir=str(output_dir), use_cpu=True, bf16=False, report_to="none", learning_rate=1e-3,
-                    per_device_train_batch_size=4, gradient_checkpointing=False, save_strategy="no", logging_steps=1)
+                    per_device_train_batch_size=4, activation_checkpointing=False, save_strategy="no", logging_steps=1)
     training.update({k: v for k, v in overrides.items() if k in TOPRConfig.__dataclass_fields__})
     return gsm8k.GSM8KArguments(**script), TOPRConfig(**training), ModelConfig(model_name_or_path=tiny_model_path)
 

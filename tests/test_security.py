@@ -4,6 +4,7 @@ import json
 import logging
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 from conftest import make_args, standard_dataset
@@ -48,6 +49,6 @@ def test_no_token_in_logs_cards_or_saved_files(tiny_model_path, tmp_path, monkey
     files = [os.path.join(d, f) for d, _, names in os.walk(output_dir) for f in names]
     assert any(f.endswith("training_args.bin") for f in files) and any(f.endswith("README.md") for f in files)
     for path in files:
-        content = open(path, "rb").read()
+        content = Path(path).read_bytes()
         assert TOKEN.encode() not in content and ENV_TOKEN.encode() not in content, path
     assert trainer.args.hub_token == TOKEN  # kept in memory for pushing

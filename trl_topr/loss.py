@@ -301,8 +301,9 @@ def combine_metrics(metrics: dict[str, list[float]]) -> dict[str, float]:
     >>> from trl_topr.loss import combine_metrics
 
     >>> # a batch with 1 negative of weight 0.2, then one with 3 negatives of mean weight 0.6
-    >>> combine_metrics({"negative_weight_mean": [0.2, 0.6], "count/negative_items": [1.0, 3.0]})
-    {'negative_weight_mean': 0.5}
+    >>> combined = combine_metrics({"negative_weight_mean": [0.2, 0.6], "count/negative_items": [1.0, 3.0]})
+    >>> round(combined["negative_weight_mean"], 6)  # (0.2 * 1 + 0.6 * 3) / 4, not the mean of 0.2 and 0.6
+    0.5
 
     ```
     """

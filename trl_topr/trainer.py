@@ -41,6 +41,27 @@ def _sft_loss_type(args: TOPRConfig):
         args.loss_type = loss_type
 
 
+def base_model_name(model: torch.nn.Module) -> str:
+    """
+    The model a model was fine-tuned from, as its card names it: where its weights were converted from (e.g. a GGUF
+    file, see [`~trl_topr.embedded.smollm2_path`]), else the Hub id or local folder it was loaded from, else its
+    architecture.
+
+    Args:
+        model ([`~transformers.PreTrainedModel`] or [`~peft.PeftModel`]):
+            The model.
+
+    Returns:
+        `str`: the name.
+    """
+    config = model.config
+    return (
+        getattr(config, "converted_from", None)
+        or get_config_model_id(config)
+        or f"a {config.model_type} model built from its configuration"
+    )
+
+
 def record_metrics(accelerator, store: dict[str, list[float]], metrics: dict[str, torch.Tensor]) -> None:
     """
     Append every process's values of a micro-batch's metrics (as returned by [`topr_loss`]) to `store`, for
@@ -417,6 +438,32 @@ class TOPRTrainer(SFTTrainer):
         logs.update({prefix + name: value for name, value in combine_metrics(self._metrics[mode]).items()})
         self._metrics[mode].clear()
         super(SFTTrainer, self).log(logs, start_time)
+
+    def create_model_card(
+        self, model_name: str | None = None, dataset_name: str | None = None, tags: str | list[str] | None = None
+    ):
+        """
+        Write the model card to `args.output_dir`: TRL's card (tags `trl` and `topr`, the TOPR citation), naming the
+        base model where TRL's card can only link a Hub id: a local folder, or a GGUF file converted by trl-topr.
+
+        Args:
+            model_name (`str`, *optional*):
+                Name of the model.
+            dataset_name (`str`, *optional*):
+                Name of the dataset used for training.
+            tags (`str` or `list[str]`, *optional*):
+                Tags of the card, besides `trl` and `topr`.
+        """
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        if not self.is_world_process_zero():
+            return
+        path = Path(self.args.output_dir) / "README.md"
+        text = path.read_text()
+        # TRL renders a base model it cannot link (not a Hub id) as "None", and a model not pushed as `model="None"`.
+        base = base_model_name(self.model)
+        text = text.replace("[None](https://huggingface.co/None)", f"`{base}`")
+        text = text.replace('model="None"', f'model="{self.hub_model_id or self.args.output_dir}"')
+        path.write_text(text)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """

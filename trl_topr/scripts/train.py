@@ -160,7 +160,7 @@ def main(script_args, training_args, model_args, dataset_args=None) -> dict[str,
     Train with TOPR, print and return the before/after log-probs of [`completion_logprobs`], save the model.
 
     Without a dataset (`dataset_name` or a `datasets` mixture) the embedded [`arithmetic_dataset`] is used; without a
-    model, SmolLM2-135M-Instruct (see [`~trl_topr.scripts.utils.smollm2_path`]).
+    model, SmolLM2-135M-Instruct (see [`~trl_topr.embedded.smollm2_path`]).
 
     Args:
         script_args ([`~trl.ScriptArguments`]):

