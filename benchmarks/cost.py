@@ -17,7 +17,8 @@ repetition with --reps). s/step: median of the step times after the first (Train
 total: construction (tokenization, precompute) + train(). peak mem: peak RSS of that subprocess (sampled every 2 ms
 from just before the model is loaded to the end of training) minus its RSS then (after the imports): weights,
 optimizer states, gradients, activations, allocator slack; CPU RSS is coarse, so small ratios are noisy.
-Precision: bf16 autocast on CPU by default (--fp32 for fp32).
+Precision: as the hardware computes fastest (bf16 autocast where the CPU has AMX or AVX512-BF16, else fp32), the
+same for every trainer; --fp32 forces fp32.
 """
 
 import argparse
@@ -77,9 +78,16 @@ def make_rows(folder: str, length: int, n: int) -> dict:
     return rows
 
 
+def bf16(fp32: bool) -> bool:
+    """The precision every trainer of the comparison uses: the library's rule for this CPU, unless --fp32."""
+    from trl_topr.precision import has_native_bf16
+
+    return not fp32 and has_native_bf16("cpu")
+
+
 def common_args(spec: dict) -> dict:
     return {
-        "output_dir": spec["out"], "use_cpu": True, "bf16": not spec["fp32"], "report_to": "none", "seed": 0,
+        "output_dir": spec["out"], "use_cpu": True, "bf16": bf16(spec["fp32"]), "report_to": "none", "seed": 0,
         "per_device_train_batch_size": spec["batch"], "per_device_eval_batch_size": spec["batch"],
         "max_steps": spec["steps"], "logging_steps": 10**6, "save_strategy": "no", "activation_checkpointing": False,
         "learning_rate": 1e-5, "dataloader_num_workers": 0, "max_length": PROMPT_TOKENS + spec["length"] + 8,
@@ -166,7 +174,7 @@ def main(argv=None) -> str:
     parser.add_argument("--batches", type=int, nargs="+", help="per-device train batch sizes")
     parser.add_argument("--steps", type=int, help="training steps per run (the first is warmup)")
     parser.add_argument("--reps", type=int, default=1, help="repetitions, trainer order rotated each time")
-    parser.add_argument("--fp32", action="store_true", help="fp32 instead of bf16 autocast")
+    parser.add_argument("--fp32", action="store_true", help="fp32 even where the CPU has native bf16")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -214,7 +222,7 @@ def main(argv=None) -> str:
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     table = "\n".join(lines)
     model = "tiny 2-layer Llama (conftest)" if args.quick else "~21M Llama (SmolLM2-135M widths, 6 layers)"
-    print(f"{model}, {'fp32' if args.fp32 else 'bf16 autocast'}, CPU, prompt {PROMPT_TOKENS} tokens, {steps} steps, "
+    print(f"{model}, {'bf16 autocast' if bf16(args.fp32) else 'fp32'}, CPU, prompt {PROMPT_TOKENS} tokens, {steps} steps, "
           f"{args.reps} rep(s); KTO = policy + reference forwards on matched and mismatched (KL) pairs; "
           f"{time.perf_counter() - t0:.0f} s in all\n")
     print(table)

@@ -53,7 +53,7 @@ SCALES = {
     "fast": {"prompts": 128, "num_samples": 8, "eval": 128, "k": 4, "epochs": 6, "seeds": 3, "lr": 1e-4, "batch": 16,
              "max_new_tokens": 12, "bf16": False},
     "real": {"prompts": 20, "num_samples": 8, "eval": 48, "k": 2, "epochs": 2, "seeds": 1, "lr": 2e-5, "batch": 8,
-             "max_new_tokens": 32, "bf16": True},
+             "max_new_tokens": 32, "bf16": None},  # None: bf16 only where the CPU computes it natively
 }
 QUICK = {"prompts": 16, "num_samples": 4, "eval": 4, "k": 1, "epochs": 1, "seeds": 1, "batch": 4}
 PROBE_ROWS = 64  # positive and negative training rows whose log-probs are tracked
@@ -134,8 +134,11 @@ def setup(scale: str, work: str, quick: bool) -> dict:
 
 # ------------------------------------------------------------------------------------------------------------- training
 def common_args(setting: dict, out: str, seed: int) -> dict:
+    from trl_topr.precision import resolve_bf16  # the library's rule, the same for every trainer compared
+
     return {
-        "output_dir": out, "use_cpu": True, "bf16": setting["bf16"], "report_to": "none", "seed": seed,
+        "output_dir": out, "use_cpu": True, "bf16": resolve_bf16(setting["bf16"], use_cpu=True), "report_to": "none",
+        "seed": seed,
         "learning_rate": setting["lr"], "lr_scheduler_type": "constant", "warmup_steps": 0, "weight_decay": 0.0,
         "max_grad_norm": 1.0, "per_device_train_batch_size": setting["batch"], "num_train_epochs": setting["epochs"],
         "logging_steps": 10**6, "save_strategy": "no", "activation_checkpointing": False, "disable_tqdm": True,

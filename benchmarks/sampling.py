@@ -132,9 +132,10 @@ def main(argv=None) -> str:
                                                  **settings)
         rows = Dataset.from_dict({"prompt": [p for p in prompts for _ in range(args.num_samples)],
                                   "completion": completions, "reward": [1.0] * len(completions)})
-        config = TOPRConfig(output_dir=str(Path(work) / "out"), use_cpu=not torch.cuda.is_available(), bf16=True,
+        config = TOPRConfig(output_dir=str(Path(work) / "out"), use_cpu=not torch.cuda.is_available(),
                             report_to="none", precompute_behavior_batch_size=args.batch_size)
         trainer = TOPRTrainer(model, args=config, train_dataset=rows, processing_class=tokenizer)
+        precision = "bf16 autocast" if config.bf16 else "fp32"  # the library's choice for this hardware
         tokenized = trainer.train_dataset.remove_columns(BEHAVIOR_LOGPS)
         collator = DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id)
         columns = tokenized.select_columns(["input_ids", "labels"])
@@ -171,7 +172,7 @@ def main(argv=None) -> str:
     model_name = "tiny 2-layer Llama (conftest)" if args.quick else "SmolLM2-135M-Instruct"
     device = "CUDA" if torch.cuda.is_available() else "CPU"
     print(f"{model_name}, fp32 weights, {device}: {len(prompts)} prompts x {args.num_samples} samples, "
-          f"{args.max_new_tokens} new tokens, batch {args.batch_size}; precompute in bf16 autocast; "
+          f"{args.max_new_tokens} new tokens, batch {args.batch_size}; precompute in {precision}; "
           f"median of {args.reps} alternating reps; weights hash (part of the precompute) {hash_s:.2f} s; tokens per rep: "
           + ", ".join(f"{name} {count}" for name, count in tokens.items()) + "\n")
     print(table)

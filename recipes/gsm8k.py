@@ -30,18 +30,26 @@ fields `question` and `answer`). Add `--push_to_hub --hub_model_id you/name` to 
 adapter) with a model card holding the per-round evaluation.
 """
 
-import json
-import random
-import re
-from dataclasses import dataclass, field
-from pathlib import Path
+import time
 
-from datasets import Dataset, load_dataset
-from huggingface_hub import HfApi
-from transformers import AutoTokenizer
-from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
-from trl_topr import (
+START = time.monotonic()  # before the imports: the elapsed time of the summary is the whole run's
+
+import json  # noqa: E402
+import logging  # noqa: E402
+import random  # noqa: E402
+import re  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import datasets  # noqa: E402
+import transformers  # noqa: E402
+from datasets import Dataset, load_dataset  # noqa: E402
+from huggingface_hub import HfApi  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config  # noqa: E402
+
+from trl_topr import (  # noqa: E402
     TOPRConfig,
     anna_karenina,
     extract_final_answer,
@@ -49,7 +57,10 @@ from trl_topr import (
     gsm8k_reward,
     run_topr_loop,
 )
-from trl_topr.rewards import gold_answer
+from trl_topr.embedded import smollm2_path  # noqa: E402
+from trl_topr.precision import device_type  # noqa: E402
+from trl_topr.rewards import gold_answer  # noqa: E402
+from trl_topr.trainer import base_model_name  # noqa: E402
 
 
 INSTRUCTION = "Solve the problem step by step. End your response with 'The answer is N.' where N is the final number."
@@ -164,8 +175,6 @@ def main(script_args: GSM8KArguments, training_args: TOPRConfig, model_args: Mod
     """Run the rounds, print the evaluation before and after, publish; return the per-round metrics."""
     model = model_args.model_name_or_path
     if model is None:
-        from trl_topr.embedded import smollm2_path
-
         with training_args.main_process_first(desc="SmolLM2 conversion"):
             model = smollm2_path()
     training_args.model_init_kwargs = {
@@ -207,8 +216,39 @@ def main(script_args: GSM8KArguments, training_args: TOPRConfig, model_args: Mod
     )  # fmt: skip
     if training_args.process_index == 0:
         print(f"\nGSM8K ({script_args.task}) evaluation, round 0 = before training:\n\n{evaluation_table(rounds)}\n")
-        publish(Path(training_args.output_dir) / f"round-{rounds[-1]['round']}", rounds, script_args, training_args)
+        final = Path(training_args.output_dir) / f"round-{rounds[-1]['round']}"
+        publish(final, rounds, script_args, training_args)
+        print(summary(rounds, script_args, training_args, base_model_name(transformers.AutoConfig.from_pretrained(model)), len(test_problems)))
     return rounds
+
+
+def summary(rounds: list[dict], script_args: GSM8KArguments, training_args: TOPRConfig, model: str,
+            num_eval: int) -> str:
+    """What was trained, the evaluation before and after, where the model and the plot are, and the elapsed time."""
+    first, last = rounds[0], rounds[-1]
+    trained = [r for r in rounds if r["round"] > 0]
+    samples = sum(r["num_samples"] for r in trained)
+    correct = sum(r["positive_fraction"] * r["num_samples"] for r in trained) / max(samples, 1)
+    precision = "bf16" if training_args.bf16 else "fp32"
+    rows = [("pass@1, greedy", "pass@1_greedy"), (f"pass@1, {script_args.eval_num_samples} samples", "pass@1"),
+            (f"maj@{script_args.eval_num_samples}", f"maj@{script_args.eval_num_samples}"),
+            ("invalid rate", "invalid_rate")]
+    minutes, seconds = divmod(round(time.monotonic() - START), 60)
+    output = Path(training_args.output_dir)
+    lines = [
+        f"Trained {model}",
+        f"  with TOPR for {len(trained)} round(s) on {samples} sampled completions "
+        f"({correct:.0%} correct) of {script_args.num_train_prompts or 'all the'} {script_args.task} questions, "
+        f"in {precision} on {device_type(training_args.use_cpu)}.",
+        f"Evaluated on {num_eval} held-out questions:",
+        f"  {'':<22}{'before':>8}{'after':>8}",
+        *(f"  {label:<22}{first.get(key, float('nan')):>8.3f}{last.get(key, float('nan')):>8.3f}"
+          for label, key in rows),
+        f"Model: {output / ('round-' + str(last['round']))}",
+        f"Plot:  {output / 'metrics.png'}",
+        f"Done in {minutes} min {seconds:02d} s.",
+    ]
+    return "\n".join(lines)
 
 
 def make_parser(subparsers=None) -> TrlParser:
@@ -220,5 +260,18 @@ def make_parser(subparsers=None) -> TrlParser:
     return TrlParser(dataclass_types, epilog=epilog)
 
 
+def show_progress() -> None:
+    """Print the loop's progress messages, and leave out the libraries' per-step progress bars (loading weights,
+    tokenizing): the sampling and training bars remain."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", "%H:%M:%S"))
+    logger = logging.getLogger("trl_topr")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+
+
 if __name__ == "__main__":
+    show_progress()
     main(*make_parser().parse_args_and_config())

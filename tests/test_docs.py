@@ -9,6 +9,7 @@ import trl_topr.curation
 import trl_topr.data
 import trl_topr.loss
 import trl_topr.online
+import trl_topr.precision
 import trl_topr.rewards
 import trl_topr.sampling
 import trl_topr.trainer
@@ -16,11 +17,25 @@ import trl_topr.trainer
 
 @pytest.mark.parametrize(
     "module",
-    [trl_topr.loss, trl_topr.composition, trl_topr.curation, trl_topr.data, trl_topr.online, trl_topr.rewards,
-     trl_topr.sampling, trl_topr.trainer],
+    [trl_topr.loss, trl_topr.composition, trl_topr.curation, trl_topr.data, trl_topr.online, trl_topr.precision,
+     trl_topr.rewards, trl_topr.sampling, trl_topr.trainer],
 )
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0
     if module is not trl_topr.trainer:  # the trainer's example needs the Hub
         assert result.attempted > 0
+
+
+def test_ci_runs_both_of_readme_commands_verbatim():
+    # README opens with two commands (the embedded default, the tests): CI must run exactly those, not variants.
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    commands = [line for line in readme.split("```bash", 1)[1].split("```", 1)[0].splitlines()
+                if line.strip() and not line.startswith("#")]
+    assert len(commands) == 2 and "recipes/gsm8k.py" in commands[0] and "pytest" in commands[1]
+    ci = (root / ".ci" / "run").read_text()
+    for command in commands:
+        assert command in ci, command

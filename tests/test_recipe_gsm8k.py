@@ -5,9 +5,11 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
 from trl import ModelConfig
 
 from trl_topr import TOPRConfig
@@ -129,3 +131,39 @@ def test_recipe_under_accelerate_launch_with_two_processes(tiny_model_path, tmp_
     digests = [(tmp_path / "out" / "round-1" / f"weights-rank{r}.txt").read_text() for r in (0, 1)]
     assert digests[0] == digests[1]
     assert "round 0 = before training" in result.stdout
+
+
+EMBEDDED = RECIPES / "configs" / "embedded_cpu.yaml"
+
+
+def embedded_args(tiny_model_path, output_dir):
+    """The embedded default's configuration file, on the tiny model and at a seconds-long size."""
+    return gsm8k.make_parser().parse_args_and_config([
+        "--config", str(EMBEDDED), "--model_name_or_path", tiny_model_path, "--output_dir", str(output_dir),
+        "--num_train_prompts", "4", "--num_eval_prompts", "2", "--num_samples", "2", "--eval_num_samples", "2",
+        "--max_new_tokens", "6", "--per_device_train_batch_size", "4",
+    ])
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_embedded_default_picks_the_precision_of_the_hardware(native, tiny_model_path, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: native)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    _, training_args, _ = embedded_args(tiny_model_path, tmp_path)
+    assert training_args.bf16 is native
+
+
+def test_embedded_default_path_raises_no_deprecation_warning(tiny_model_path, tmp_path, capsys):
+    # README's first command on the tiny model: no FutureWarning or DeprecationWarning from our code or from how it
+    # calls TRL and transformers. The summary says what was trained, before/after, and where the results are.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rounds = gsm8k.main(*embedded_args(tiny_model_path, tmp_path / "out"))
+    deprecations = [f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in caught
+                    if issubclass(w.category, (FutureWarning, DeprecationWarning))]
+    assert not deprecations, deprecations
+    printed = capsys.readouterr().out
+    assert f"  invalid rate{'':>10}{rounds[0]['invalid_rate']:>8.3f}{rounds[1]['invalid_rate']:>8.3f}" in printed
+    assert f"Model: {tmp_path / 'out' / 'round-1'}" in printed and f"Plot:  {tmp_path / 'out' / 'metrics.png'}" in printed
+    assert (tmp_path / "out" / "metrics.png").exists() and (tmp_path / "out" / "round-1" / "model.safetensors").exists()
+    assert "Done in " in printed

@@ -172,6 +172,7 @@ def run_topr_loop(
     def evaluate(policy) -> dict[str, float]:
         if eval_prompts is None:
             return {}
+        logger.info(f"Evaluating on {len(eval_prompts)} held-out prompts")
         return evaluate_policy(
             policy, processing_class, eval_prompts, correct_func, answer_func, **{"bf16": args.bf16, **eval_kwargs}
         )  # in the training precision unless `eval_kwargs` says otherwise
@@ -182,7 +183,8 @@ def run_topr_loop(
                 f.write(json.dumps(metrics) + "\n")
             plot_rounds(read_rounds(str(output_dir)), str(output_dir / "metrics.png"))
         state.wait_for_everyone()
-        logger.info(f"Round {metrics['round']}: {metrics}")
+        shown = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
+        logger.info(f"Round {metrics['round']} done: {shown}")
 
     rounds = read_rounds(str(output_dir))
     if not rounds:
@@ -197,6 +199,7 @@ def run_topr_loop(
         previous = model if round_index == 1 else str(output_dir / f"round-{round_index - 1}")
         policy = load(previous)
 
+        logger.info(f"Round {round_index}/{num_rounds}: sampling completions of {len(train_prompts)} prompts")
         samples = sample_completions(
             policy, train_prompts, reward_funcs, processing_class=processing_class, reward_weights=reward_weights,
             seed=args.seed + round_index, args=args, **sampling_kwargs,
@@ -212,6 +215,9 @@ def run_topr_loop(
             policy, args=round_args, train_dataset=train_data, processing_class=processing_class,
             peft_config=peft_config,
         )  # fmt: skip
+        positives = sum(r - trainer.baseline >= 0 for r in train_data[REWARD]) / len(train_data)
+        logger.info(f"Round {round_index}/{num_rounds}: training one epoch of TOPR on {len(train_data)} completions "
+                    f"({positives:.0%} positive)")
         train_loss = trainer.train().training_loss
         save_for_next_round(trainer, previous, round_dir)
         rewards = list(samples[REWARD])

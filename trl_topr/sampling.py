@@ -31,6 +31,7 @@ from trl.trainer.utils import create_model_from_path
 from .config import TOPRConfig
 from .data import BEHAVIOR_LOGPS, COMPLETION, PROMPT, REWARD, TOPRDataError
 from .precision import autocast
+from .trainer import TOPRTrainer
 
 
 logger = get_logger(__name__)
@@ -321,6 +322,12 @@ def _generate_local(
     return completions, sequences, sum(map(len, sequences)) / max(time.perf_counter() - start, 1e-9)
 
 
+class _SelfScorer(TOPRTrainer):
+    # Computes the behavior log-probs of samples exactly as training will; mu is the sampling model itself, as
+    # expected, so no warning about it.
+    _behavior_is_this_model = True
+
+
 def _check_prompts_fit(processing_class, prompts: list, max_length: int | None) -> None:
     # A prompt of `max_length` tokens or more leaves no completion token to train on: say so before generating.
     if max_length is None:
@@ -403,7 +410,6 @@ def sample_completions(
         [`TOPRDataError`]: before anything is generated, when a prompt leaves no room for a completion within
         `args.max_length`.
     """
-    from .trainer import TOPRTrainer  # the trainer computes the behavior log-probs exactly as it will train
 
     if PROMPT not in dataset.column_names:
         raise ValueError(f"The prompts dataset needs a '{PROMPT}' column (found {dataset.column_names}).")
@@ -445,7 +451,7 @@ def sample_completions(
             samples = samples.remove_columns(name) if name in samples.column_names else samples
             samples = samples.add_column(name, values)
         was_training = model.training
-        scorer = TOPRTrainer(model, args=args, train_dataset=samples, processing_class=processing_class)
+        scorer = _SelfScorer(model, args=args, train_dataset=samples, processing_class=processing_class)
         behavior = list(scorer.train_dataset[BEHAVIOR_LOGPS])
         model.train(was_training)
     return samples.add_column(BEHAVIOR_LOGPS, behavior)

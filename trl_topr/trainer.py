@@ -41,20 +41,19 @@ def _sft_loss_type(args: TOPRConfig):
         args.loss_type = loss_type
 
 
-def base_model_name(model: torch.nn.Module) -> str:
+def base_model_name(config) -> str:
     """
-    The model a model was fine-tuned from, as its card names it: where its weights were converted from (e.g. a GGUF
-    file, see [`~trl_topr.embedded.smollm2_path`]), else the Hub id or local folder it was loaded from, else its
-    architecture.
+    The name of a model, as the card of a model fine-tuned from it names its base: where its weights were converted
+    from (e.g. a GGUF file, see [`~trl_topr.embedded.smollm2_path`]), else the Hub id or local folder it was loaded
+    from, else its architecture.
 
     Args:
-        model ([`~transformers.PreTrainedModel`] or [`~peft.PeftModel`]):
-            The model.
+        config ([`~transformers.PretrainedConfig`]):
+            The model's configuration (`model.config`, also for a PEFT model).
 
     Returns:
         `str`: the name.
     """
-    config = model.config
     return (
         getattr(config, "converted_from", None)
         or get_config_model_id(config)
@@ -183,6 +182,9 @@ class TOPRTrainer(SFTTrainer):
     }
     # `compute_loss` scales its loss for gradient accumulation itself.
     loss_is_scaled_for_ga = True
+    # Whether the data was sampled by the model as passed, so that computing mu with it is expected, not a warning
+    # (set by `sample_completions`, whose trainer computes the log-probs of its own samples).
+    _behavior_is_this_model = False
 
     def __init__(
         self,
@@ -338,7 +340,7 @@ class TOPRTrainer(SFTTrainer):
                 logger.warning(f"Using cached behavior log-probs of the initial policy for the {name} dataset.")
                 return concatenate_datasets([dataset, Dataset.from_file(cache_file)], axis=1)
 
-        logger.warning(
+        (logger.info if self._behavior_is_this_model else logger.warning)(
             f"The {name} dataset has no '{self.args.behavior_logps_column}' column: computing the behavior "
             "log-probs with the model as it is now (during construction, the initial policy: mu = the model as "
             "passed, before any update). Give them in the dataset when the completions were sampled by another model."
@@ -460,7 +462,7 @@ class TOPRTrainer(SFTTrainer):
         path = Path(self.args.output_dir) / "README.md"
         text = path.read_text()
         # TRL renders a base model it cannot link (not a Hub id) as "None", and a model not pushed as `model="None"`.
-        base = base_model_name(self.model)
+        base = base_model_name(self.model.config)
         text = text.replace("[None](https://huggingface.co/None)", f"`{base}`")
         text = text.replace('model="None"', f'model="{self.hub_model_id or self.args.output_dir}"')
         path.write_text(text)
