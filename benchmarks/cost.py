@@ -17,7 +17,7 @@ repetition with --reps). s/step: median of the step times after the first (Train
 total: construction (tokenization, precompute) + train(). peak mem: peak RSS of that subprocess (sampled every 2 ms
 from just before the model is loaded to the end of training) minus its RSS then (after the imports): weights,
 optimizer states, gradients, activations, allocator slack; CPU RSS is coarse, so small ratios are noisy.
-Precision: as the hardware computes fastest (bf16 autocast where the CPU has AMX or AVX512-BF16, else fp32), the
+Precision: as the hardware computes fastest (bf16 autocast where the CPU has AMX, else fp32), the
 same for every trainer; --fp32 forces fp32.
 """
 

@@ -29,6 +29,14 @@ def test_the_cpu_capability_decides(native):
     assert precision.has_native_bf16() is native  # no accelerator here: the training device is the CPU
 
 
+def test_avx512_bf16_without_amx_trains_in_float32(monkeypatch, tmp_path):
+    # Measured on such a CPU: bf16 matmuls at half the float32 speed, the embedded default 1.4x slower in bf16.
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert precision.has_native_bf16("cpu") is False
+    assert TOPRConfig(output_dir=str(tmp_path), report_to="none").bf16 is False
+
+
 @pytest.mark.parametrize("config_class", [TOPRConfig, TOPRGRPOConfig])
 def test_unset_bf16_follows_the_hardware(native, config_class, tmp_path):
     args = config_class(output_dir=str(tmp_path), report_to="none")
@@ -46,7 +54,7 @@ def test_an_explicit_choice_is_respected(native, explicit, tmp_path, caplog):
     warnings = [r for r in caplog.records if r.name == "trl_topr.precision"]
     if explicit and not native:
         assert len(warnings) == 1
-        assert "2x to 50x slower" in warnings[0].message and "--bf16 false" in warnings[0].message
+        assert "to 50x slower" in warnings[0].message and "--bf16 false" in warnings[0].message
     else:
         assert not warnings
 

@@ -94,7 +94,7 @@ class TOPRConfig(SFTConfig):
     >   used 5e-7 for Llama 3 8B with Adafactor).
     > - `loss_type`: Defaults to `"topr"`, see above.
     > - `bf16`: Defaults to the hardware ([`~trl_topr.precision.has_native_bf16`]) instead of always `True`: on
-    >   where the training device computes bf16 natively (GPUs from Ampere on, CPUs with AMX or AVX512-BF16), off
+    >   where the training device computes bf16 natively (GPUs from Ampere on, CPUs with AMX), off
     >   elsewhere, where emulated bf16 runs 2x to 50x slower than float32. An explicit value is always used. Without
     >   an accelerator, `use_cpu` is set.
     > - `activation_checkpointing`: Defaults to `True`, TRL's default for its deprecated alias
@@ -109,7 +109,7 @@ class TOPRConfig(SFTConfig):
         default=None,
         metadata={
             "help": "bf16 mixed precision. Defaults to the hardware: on where the training device computes bf16 "
-            "natively (GPUs from Ampere on, CPUs with AMX or AVX512-BF16), off elsewhere, where it is far slower."
+            "natively (GPUs from Ampere on, CPUs with AMX), off elsewhere, where it is far slower."
         },
     )
     gradient_checkpointing: bool | None = field(
