@@ -6,10 +6,11 @@
 In one process, on the same model, prompts and batches, alternating A and B --reps times (medians reported):
   sampling    A: `generate_completions` (prompt tokenization, left padding, generate, cut at EOS, decode)
               B: the same batches through `tokenizer.pad` + `model.generate` directly, same seed and settings
-  precompute  A: TOPRTrainer's behavior-log-prob precompute (weights hash, dataloader, autocast, fused LM head, gather)
+  precompute  A: TOPRTrainer's behavior-log-prob precompute (dataloader, autocast, fused LM head, gather)
               B: a plain loop `model(input_ids, attention_mask)` + log_softmax + gather over the same collated batches
               and, to locate the difference, the precompute's forward alone (`TOPRTrainer._completion_logps`, fused LM
-              head) over those batches, and the weights hash alone
+              head) over those batches, and the weights hash alone (the precompute's cache key, for datasets read
+              from files; none here)
 Tokens/s counts generated tokens (sampling) and all tokens of the scored sequences (precompute).
 """
 
@@ -100,10 +101,10 @@ def main(argv=None) -> str:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
-    from trl.trainer.utils import hash_module
 
     from trl_topr import TOPRConfig, TOPRTrainer, generate_completions
     from trl_topr.data import BEHAVIOR_LOGPS
+    from trl_topr.distributed import weights_fingerprint
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as work:
@@ -149,14 +150,13 @@ def main(argv=None) -> str:
             for name in order[rep % 3:] + order[: rep % 3]:
                 start = time.perf_counter()
                 if name == "precompute":
-                    del trainer._initial_model_hash  # the weights hash is part of the precompute's cost
                     trainer._maybe_precompute_behavior_logps(tokenized, "train")
                     tokens[name] = sum(map(len, tokenized["input_ids"]))
                 else:
                     tokens[name] = forward_loop(scorers[name], batches, trainer.accelerator.autocast)
                 times[name].append(time.perf_counter() - start)
             start = time.perf_counter()
-            hash_module(trainer.model)
+            weights_fingerprint(trainer.model)
             times["hash"].append(time.perf_counter() - start)
 
     hash_s = statistics.median(times.pop("hash"))
@@ -173,7 +173,7 @@ def main(argv=None) -> str:
     device = "CUDA" if torch.cuda.is_available() else "CPU"
     print(f"{model_name}, fp32 weights, {device}: {len(prompts)} prompts x {args.num_samples} samples, "
           f"{args.max_new_tokens} new tokens, batch {args.batch_size}; precompute in {precision}; "
-          f"median of {args.reps} alternating reps; weights hash (part of the precompute) {hash_s:.2f} s; tokens per rep: "
+          f"median of {args.reps} alternating reps; weights hash (the cache key of datasets read from files) {hash_s:.2f} s; tokens per rep: "
           + ", ".join(f"{name} {count}" for name, count in tokens.items()) + "\n")
     print(table)
     return table

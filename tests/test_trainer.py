@@ -316,6 +316,20 @@ def test_evaluate_prepares_a_new_raw_dataset(tiny_model_path, tmp_path):
         trainer.evaluate(raw.remove_columns("score").add_column("score", [math.nan] * 4))
 
 
+def test_evaluate_after_training_does_not_reuse_the_initial_weights_cache(tiny_model_path, tmp_path):
+    # A dataset read from files is cached next to its files, keyed by the weights: after training, the cache of the
+    # initial weights must not be reused for the same file.
+    path = tmp_path / "data.jsonl"
+    standard_dataset().to_json(str(path))
+    trainer = TOPRTrainer(tiny_model_path, args=make_args(tmp_path / "out", max_steps=3),
+                          train_dataset=Dataset.from_json(str(path)))
+    assert Dataset.from_json(str(path)).cache_files  # the caching path is the one exercised
+    trainer.train()
+    metrics = trainer.evaluate(Dataset.from_json(str(path)))
+    for name in ("eval_log_ratio_mean", "eval_log_ratio_min", "eval_log_ratio_max"):
+        assert metrics[name] == pytest.approx(0.0, abs=1e-5)  # mu = the trained model
+
+
 def test_resume_true_skips_a_half_written_checkpoint(tiny_model_path, tmp_path):
     def trainer(callbacks=None):
         args = make_args(tmp_path, max_steps=6, save_strategy="steps", save_steps=2, per_device_train_batch_size=2)

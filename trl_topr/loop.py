@@ -18,6 +18,7 @@ from trl.trainer.utils import create_model_from_path
 from .composition import effective_positive_fraction
 from .config import TOPRConfig
 from .data import REWARD
+from .distributed import check_saves_whole_weights, full_weights, unsharded_loading
 from .evaluation import evaluate_policy
 from .sampling import RewardFuncs, sample_completions
 from .trainer import TOPRTrainer
@@ -162,20 +163,22 @@ def run_topr_loop(
             return
         trainer.save_model(str(round_dir / "adapter"))
         if state.is_main_process:  # merge the adapter into an unquantized copy of the round's starting model
-            base = create_model_from_path(previous, **(args.model_init_kwargs or {}))
+            with unsharded_loading():  # on this process alone, whole, also under ZeRO-3
+                base = create_model_from_path(previous, **(args.model_init_kwargs or {}))
             merged = PeftModel.from_pretrained(base, str(round_dir / "adapter")).merge_and_unload()
             merged.save_pretrained(str(round_dir))
             processing_class.save_pretrained(str(round_dir))
             shutil.copy(round_dir / "adapter" / "README.md", round_dir / "README.md")
         state.wait_for_everyone()
 
-    def evaluate(policy) -> dict[str, float]:
+    def evaluate(policy, engine=None) -> dict[str, float]:
         if eval_prompts is None:
             return {}
         logger.info(f"Evaluating on {len(eval_prompts)} held-out prompts")
-        return evaluate_policy(
-            policy, processing_class, eval_prompts, correct_func, answer_func, **{"bf16": args.bf16, **eval_kwargs}
-        )  # in the training precision unless `eval_kwargs` says otherwise
+        with full_weights(policy, engine):  # ZeRO-3: gathered once, with the training engine's hooks removed
+            return evaluate_policy(
+                policy, processing_class, eval_prompts, correct_func, answer_func, **{"bf16": args.bf16, **eval_kwargs}
+            )  # in the training precision unless `eval_kwargs` says otherwise
 
     def record(metrics: dict[str, Any]) -> None:
         if state.is_main_process:
@@ -215,6 +218,7 @@ def run_topr_loop(
             policy, args=round_args, train_dataset=train_data, processing_class=processing_class,
             peft_config=peft_config,
         )  # fmt: skip
+        check_saves_whole_weights(trainer)  # the next round loads this round's saved model
         positives = sum(r - trainer.baseline >= 0 for r in train_data[REWARD]) / len(train_data)
         logger.info(f"Round {round_index}/{num_rounds}: training one epoch of TOPR on {len(train_data)} completions "
                     f"({positives:.0%} positive)")
@@ -230,7 +234,7 @@ def run_topr_loop(
                 "num_samples": len(samples),
                 "num_train_rows": len(train_data),
                 "train_loss": train_loss,
-                **evaluate(trainer.model),
+                **evaluate(trainer.model, getattr(trainer, "deepspeed", None)),
             }
         )
         del trainer, policy

@@ -11,6 +11,7 @@ compares pi with. With temperature 1 and no top-p/top-k truncation the two coinc
 towards the model's own distribution, not the tempered or truncated one.
 """
 
+import contextlib
 import dataclasses
 import math
 import tempfile
@@ -30,6 +31,7 @@ from trl.trainer.utils import create_model_from_path
 
 from .config import TOPRConfig
 from .data import BEHAVIOR_LOGPS, COMPLETION, PROMPT, REWARD, TOPRDataError
+from .distributed import full_weights
 from .precision import autocast
 from .trainer import TOPRTrainer
 
@@ -229,13 +231,19 @@ def generate_completions(
         batch_size=batch_size, seed=seed, vllm_engine=vllm_engine, bf16=bf16,
     )  # fmt: skip
     if state.num_processes == 1 or vllm_engine is not None:
-        return _generate_local(model, processing_class, prompts, progress=progress, **settings)
-    # Each process generates a contiguous share of the prompts; gathering in rank order restores the order.
-    with state.split_between_processes(list(prompts)) as shard:
+        with full_weights(model) if model is not None else contextlib.nullcontext():
+            return _generate_local(model, processing_class, prompts, progress=progress, **settings)
+    # Each process generates an equal contiguous share of the prompts, the last shares padded with copies of the last
+    # prompt (dropped after gathering): under FSDP2 and ZeRO-3 every forward is a collective, so every process runs
+    # as many batches (and `generate` keeps their steps in sync). Gathering in rank order restores the order.
+    prompts = list(prompts)
+    padded = prompts + prompts[-1:] * (-len(prompts) % state.num_processes)
+    with state.split_between_processes(padded) as shard, full_weights(model):
         completions, sequences, tokens_per_s = _generate_local(
             model, processing_class, shard, progress=progress and state.is_main_process, **settings
         )
-    return gather_object(completions), gather_object(sequences), sum(gather_object([tokens_per_s]))
+    kept = len(prompts) * num_samples
+    return gather_object(completions)[:kept], gather_object(sequences)[:kept], sum(gather_object([tokens_per_s]))
 
 
 def end_of_sequence_ids(model: PreTrainedModel | None, processing_class: PreTrainedTokenizerBase) -> set[int]:
@@ -407,8 +415,8 @@ def sample_completions(
         once) is kept: it is trained on its end-of-sequence token, the decision to stop.
 
     Raises:
-        [`TOPRDataError`]: before anything is generated, when a prompt leaves no room for a completion within
-        `args.max_length`.
+        [`TOPRDataError`]:
+            Before anything is generated, when a prompt leaves no room for a completion within `args.max_length`.
     """
 
     if PROMPT not in dataset.column_names:

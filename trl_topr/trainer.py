@@ -17,11 +17,12 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import is_bitsandbytes_available
 from trl import SFTTrainer
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
-from trl.trainer.utils import get_config_model_id, hash_module
+from trl.trainer.utils import get_config_model_id
 
 from .composition import baseline_for_positive_fraction
 from .config import TOPRConfig
 from .data import BEHAVIOR_LOGPS, REWARD, DataCollatorForTOPR, check_and_truncate_tokens, validate_and_standardize
+from .distributed import full_weights, weights_fingerprint
 from .loss import combine_metrics, topr_loss
 
 
@@ -326,18 +327,18 @@ class TOPRTrainer(SFTTrainer):
     def _maybe_precompute_behavior_logps(self, dataset: Dataset, name: str) -> Dataset:
         if BEHAVIOR_LOGPS in dataset.column_names:
             return dataset
-        if not hasattr(self, "_initial_model_hash"):
-            self._initial_model_hash = hash_module(self.model)
-        # Like TRL's reference log-prob precompute: cached next to the dataset, keyed by the data and the weights.
-        fingerprint = [Hasher.hash((dataset._fingerprint, self._initial_model_hash, "topr_behavior_logps"))]
-        broadcast_object_list(fingerprint, from_process=0)
+        # Like TRL's reference log-prob precompute: cached next to a dataset read from files, keyed by the data and by
+        # the model's whole weights *now* (they change with training), hashed the same way under every engine.
         cache_file = None
         if is_caching_enabled() and dataset.cache_files:
+            key = (dataset._fingerprint, weights_fingerprint(self.model), "topr_behavior_logps")
+            fingerprint = [Hasher.hash(key)]
+            broadcast_object_list(fingerprint, from_process=0)
             cache_file = os.path.join(
                 os.path.dirname(dataset.cache_files[0]["filename"]), f"cache-{fingerprint[0]}.arrow"
             )
             if os.path.exists(cache_file):
-                logger.warning(f"Using cached behavior log-probs of the initial policy for the {name} dataset.")
+                logger.warning(f"Using cached behavior log-probs of the current weights for the {name} dataset.")
                 return concatenate_datasets([dataset, Dataset.from_file(cache_file)], axis=1)
 
         (logger.info if self._behavior_is_this_model else logger.warning)(
@@ -347,19 +348,23 @@ class TOPRTrainer(SFTTrainer):
         )
         batch_size = self.args.precompute_behavior_batch_size or self.args.per_device_eval_batch_size
         collator = DataCollatorForLanguageModeling(pad_token_id=self._tokenizer.pad_token_id)
-        loader = self.accelerator.prepare(
+        # Every process gets the same number of batches (the last one padded, trimmed by `gather_for_metrics`): under
+        # FSDP2 each forward is a collective.
+        loader = self.accelerator.prepare_data_loader(
             DataLoader(dataset.select_columns(["input_ids", "labels"]), batch_size=batch_size, collate_fn=collator)
         )
         values = []
         with (
             torch.no_grad(),  # values only: no autograd graph (its saved activations cost time and memory)
-            _inference_mode(self.model),
-            _without_activation_checkpointing(self.model, self.args.activation_checkpointing_kwargs),
+            # ZeRO-3: the whole weights on every process, gathered once rather than layer by layer
+            full_weights(self.model, getattr(self, "deepspeed", None)) as model,
+            _inference_mode(model),
+            _without_activation_checkpointing(model, self.args.activation_checkpointing_kwargs),
             # the mixed precision training will run in: the model is not wrapped by `accelerator.prepare` yet
             self.accelerator.autocast(),
         ):
             for batch in loader:
-                per_token_logps, completion_mask, _ = self._completion_logps(self.model, batch)
+                per_token_logps, completion_mask, _ = self._completion_logps(model, batch)
                 # Sequences differ in length across processes: pad before gathering (the mask as integers, since
                 # padding adds to zeros).
                 per_token_logps = self.accelerator.pad_across_processes(per_token_logps.float(), dim=1)

@@ -1,0 +1,90 @@
+"""Run by `tests/test_sharded.py` under `accelerate launch` (2 CPU processes): one engine, every step of the issue's
+checklist, the results written as JSON by the main process. Not a test module itself."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from accelerate import PartialState
+from accelerate.state import AcceleratorState
+from accelerate.utils import DistributedType
+
+
+def reapply_fsdp_plugin():
+    # accelerate keeps the FSDP plugin only for accelerator devices: on a multi-process CPU run it silently falls back
+    # to DDP. Re-apply it, so that FSDP2 really shards the model on gloo (the test asserts DTensor parameters). The
+    # distributed type lives in PartialState's shared state, which every AcceleratorState() copies.
+    original = AcceleratorState.__init__
+
+    def init(self, *args, fsdp_plugin=None, **kwargs):
+        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            PartialState._shared_state["distributed_type"] = self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = fsdp_plugin
+
+    AcceleratorState.__init__ = init
+
+
+def main(engine: str, tests_dir: str, model_path: str, other_model_path: str, data_path: str, output_dir: str,
+         lora: bool):
+    sys.path.insert(0, tests_dir)
+    if engine == "fsdp2":
+        reapply_fsdp_plugin()
+    from conftest import make_args
+    from datasets import Dataset
+    from peft import LoraConfig
+
+    from trl_topr import TOPRTrainer, run_topr_loop
+    from trl_topr.distributed import weights_fingerprint
+
+    output = Path(output_dir)
+    state = PartialState()
+    result = {}
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear") if lora else None
+    def args(name):  # one configuration per trainer, as TrainingArguments set up accelerate's state
+        return make_args(output / name, max_steps=6, per_device_train_batch_size=2, learning_rate=1e-2)
+
+    # A different model on the same file dataset: its behavior log-probs must not come from the first one's cache.
+    other = TOPRTrainer(other_model_path, args=args("other"), train_dataset=Dataset.from_json(data_path))
+    result["other_behavior"] = list(other.train_dataset["behavior_logps"])
+    del other
+
+    trainer = TOPRTrainer(model_path, args=args("train"), train_dataset=Dataset.from_json(data_path),
+                          peft_config=peft_config)
+    result["behavior"] = list(trainer.train_dataset["behavior_logps"])
+    # ZeRO-3 partitions at load time: every parameter this process holds outside a gather is empty
+    result["partitioned"] = all(p.numel() == 0 for p in trainer.model.parameters())
+    trainer.train()
+    result["engine"] = {"deepspeed": trainer.is_deepspeed_enabled, "fsdp": trainer.is_fsdp_enabled,
+                        "dtensor": any(isinstance(p, torch.distributed.tensor.DTensor)
+                                       for p in trainer.model.parameters())}
+    result["losses"] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    # Right after training, the behavior log-probs of a raw dataset are those of the trained weights: ratios at 1.
+    result["evaluate"] = trainer.evaluate(Dataset.from_json(data_path))
+    result["fingerprint"] = weights_fingerprint(trainer.model)
+    trainer.save_model(str(output / "model"))
+
+    def correct(prompts, completions, answer, **kwargs):
+        return [1.0 if a in c else -1.0 for c, a in zip(completions, answer)]
+
+    prompts = Dataset.from_dict({"prompt": [f"What is {i} + 3?" for i in range(6)],
+                                 "answer": [str(i + 3) for i in range(6)]})
+    loop_args = make_args(output / "loop", max_steps=-1, per_device_train_batch_size=2)
+    result["rounds"] = run_topr_loop(
+        model_path, prompts, correct, loop_args, num_rounds=1, peft_config=peft_config,
+        eval_prompts=prompts.select(range(5)),  # an odd number: uneven shares on 2 processes
+        correct_func=correct, answer_func=lambda text: text.split()[-1] if text.split() else None,
+        sampling_kwargs={"num_samples": 2, "max_new_tokens": 6, "progress": False},
+        eval_kwargs={"num_samples": 2, "max_new_tokens": 6, "progress": False},
+    )
+    result["world"] = torch.distributed.get_world_size()
+    if state.is_main_process:
+        (output / "result.json").write_text(json.dumps(result))
+    state.wait_for_everyone()
+    state.destroy_process_group()
+
+
+if __name__ == "__main__":
+    engine, tests_dir, model_path, other_model_path, data_path, output_dir, lora = sys.argv[1:8]
+    main(engine, tests_dir, model_path, other_model_path, data_path, output_dir, lora == "lora")

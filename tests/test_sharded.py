@@ -1,0 +1,152 @@
+"""Sharded training on CPU, 2 processes (gloo): DDP, DeepSpeed ZeRO-2 / ZeRO-3 and FSDP2, as configured in
+`recipes/accelerate/`, each checked against one process: behavior log-probs, trained weights, `evaluate` on a raw
+dataset after training, a cache that must not mix up two models, and one round of `run_topr_loop` with an odd number
+of evaluation prompts.
+
+Only what a 2-process CPU run needs is changed in the shipped configurations: 2 processes, no mixed precision, the
+CPU, and for ZeRO-3 `stage3_param_persistence_threshold: 0` (else a tiny model keeps every parameter gathered and
+partitioning bugs hide). DeepSpeed runs on CPU with `DS_ACCELERATOR=cpu`; its shared-memory communication op compiles
+on first use (about 95 s, then cached).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import build_tiny_model, make_args
+from datasets import Dataset
+from safetensors.torch import load_file
+
+from trl_topr import TOPRTrainer
+
+
+RECIPES = Path(__file__).parent.parent / "recipes" / "accelerate"
+# Saved weights after 6 AdamW steps at learning rate 1e-2: with the same global batches, only the order of float32
+# sums differs between 1 and 2 processes (all-reduce, sharded reductions), and Adam's normalization can amplify that
+# noise on near-zero gradient components. Measured here: training moved weights by up to 3.5e-2; the 2-process
+# weights differed from 1 process by at most 3.4e-6 (DDP, ZeRO-2, FSDP2) and 9.6e-6 (ZeRO-3), and the whole update by
+# 2.9e-6 to 5.6e-6 relative (L2). The bounds below leave 10x room and stay far below what one wrong row or step
+# changes (1e-3 and more per weight).
+WEIGHTS_ATOL = 1e-4
+UPDATE_RTOL = 1e-4
+
+
+def accelerate_config(engine: str, folder: Path) -> Path:
+    """The shipped Accelerate configuration of `engine`, for 2 CPU processes."""
+    shipped = {"ddp": "multi_gpu.yaml", "fsdp2": "fsdp.yaml"}.get(engine, f"{engine}.yaml")
+    config = yaml.safe_load((RECIPES / shipped).read_text())  # without a GPU, the "multi-GPU" launcher uses gloo
+    config.update(num_processes=2, mixed_precision="no", use_cpu=True)
+    if engine.startswith("zero"):
+        shipped = config.pop("deepspeed_config")
+        zero = {"stage": shipped["zero_stage"]}
+        if shipped["zero_stage"] == 3:
+            zero.update(stage3_param_persistence_threshold=0,
+                        stage3_gather_16bit_weights_on_model_save=shipped["zero3_save_16bit_model"])
+        ds_config = {"zero_optimization": zero, "train_micro_batch_size_per_gpu": "auto",
+                     "train_batch_size": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}
+        (folder / "ds_config.json").write_text(json.dumps(ds_config))
+        config["deepspeed_config"] = {"deepspeed_config_file": str(folder / "ds_config.json"),
+                                      "zero3_init_flag": shipped.get("zero3_init_flag", False)}
+        del config["mixed_precision"]  # the DeepSpeed file's business (float32 here: no bf16 section)
+    path = folder / "accelerate.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def data() -> Dataset:
+    # 12 rows, completions of different lengths, positives and negatives
+    return Dataset.from_dict({
+        "prompt": [f"What is {i} + 3?" for i in range(12)],
+        "completion": [f" The answer is {i + 3 + i % 2}." + " Yes." * (i % 3) for i in range(12)],
+        "reward": [1.0 if i % 2 == 0 else -1.0 for i in range(12)],
+    })
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sharded")
+    return build_tiny_model(str(folder / "model")), build_tiny_model(str(folder / "other"), seed=1)
+
+
+@pytest.fixture(scope="module")
+def single_process(models, tmp_path_factory):
+    """The reference: one process, the same global batch of 4."""
+    folder = tmp_path_factory.mktemp("single")
+    data().to_json(str(folder / "data.jsonl"))
+    trainer = TOPRTrainer(models[0], args=make_args(folder / "out", max_steps=6, per_device_train_batch_size=4,
+                                                    learning_rate=1e-2),
+                          train_dataset=Dataset.from_json(str(folder / "data.jsonl")))
+    behavior = list(trainer.train_dataset["behavior_logps"])
+    trainer.train()
+    return {"behavior": behavior, "weights": {k: v.clone() for k, v in trainer.model.state_dict().items()}}
+
+
+def launch(engine: str, models, folder: Path, lora: bool = False) -> dict:
+    data().to_json(str(folder / "data.jsonl"))
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(accelerate_config(engine, folder)), str(Path(__file__).parent / "sharded_worker.py"), engine,
+               str(Path(__file__).parent), *models, str(folder / "data.jsonl"), str(folder / "out"),
+               "lora" if lora else "full"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
+    return json.loads((folder / "out" / "result.json").read_text())
+
+
+def assert_close_lists(got, want, atol):
+    assert len(got) == len(want)
+    for row_got, row_want in zip(got, want):
+        assert len(row_got) == len(row_want)
+        assert max(abs(a - b) for a, b in zip(row_got, row_want)) < atol
+
+
+def check_common(result, single, folder):
+    assert result["world"] == 2
+    # the same behavior log-probs as one process, and not the other model's (a cache keyed by empty shards would)
+    assert_close_lists(result["behavior"], single["behavior"], 1e-4)
+    assert max(abs(a - b) for a, b in zip(result["other_behavior"][0], result["behavior"][0])) > 1e-3
+    # evaluate() of a raw dataset after training uses the trained weights: every ratio starts at 1
+    for name in ("eval_log_ratio_mean", "eval_log_ratio_min", "eval_log_ratio_max"):
+        assert abs(result["evaluate"][name]) < 1e-4, (name, result["evaluate"])
+    assert result["losses"] and all(loss == loss for loss in result["losses"])
+    rounds = result["rounds"]
+    assert [r["round"] for r in rounds] == [0, 1]
+    assert rounds[1]["num_samples"] == 12  # 6 prompts x 2 samples: none dropped or duplicated by the padding
+    for r in rounds:  # 5 evaluation prompts over 2 processes: every one counted once
+        assert 0.0 <= r["pass@1"] <= 1.0 and "invalid_rate" in r
+    assert len((folder / "out" / "loop" / "round-1" / "samples.jsonl").read_text().splitlines()) == 12
+
+
+ENGINES = ["ddp", "zero2", "zero3", "fsdp2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ENGINES)
+def test_full_fine_tuning_matches_one_process(engine, models, single_process, tmp_path):
+    result = launch(engine, models, tmp_path)
+    check_common(result, single_process, tmp_path)
+    assert result["engine"]["deepspeed"] == engine.startswith("zero")
+    assert result["partitioned"] == (engine == "zero3")
+    assert result["engine"]["fsdp"] == result["engine"]["dtensor"] == (engine == "fsdp2")
+    saved = load_file(str(tmp_path / "out" / "model" / "model.safetensors"))
+    assert set(saved) == set(single_process["weights"])  # whole weights, not shards (the tiny model ties none)
+    for name, want in single_process["weights"].items():
+        torch.testing.assert_close(saved[name].float(), want.float(), atol=WEIGHTS_ATOL, rtol=0)
+    initial = load_file(str(Path(models[0]) / "model.safetensors"))
+    update_1 = torch.cat([(single_process["weights"][n].float() - initial[n].float()).flatten() for n in initial])
+    update_2 = torch.cat([(saved[n].float() - initial[n].float()).flatten() for n in initial])
+    assert (update_2 - update_1).norm() / update_1.norm() < UPDATE_RTOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ENGINES)
+def test_lora_trains_and_loops(engine, models, single_process, tmp_path):
+    result = launch(engine, models, tmp_path, lora=True)
+    check_common(result, single_process, tmp_path)
+    assert (tmp_path / "out" / "model" / "adapter_model.safetensors").exists()
+    assert (tmp_path / "out" / "loop" / "round-1" / "adapter" / "adapter_model.safetensors").exists()

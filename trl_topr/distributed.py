@@ -1,0 +1,165 @@
+"""Whole weights under sharded training engines (DeepSpeed ZeRO-3, FSDP2), for inference and for hashing.
+
+Training engines shard the parameters, and a forward outside the engine's own (sampling, evaluation, the behavior
+log-prob precompute) needs them whole. One rule for all of them:
+
+- DeepSpeed ZeRO-3: the parameters are gathered for the duration ([`deepspeed.zero.GatheredParameters`]); when an
+  engine holds the model, its fetch hooks are removed meanwhile, as TRL's `unwrap_model_for_generation` does. Every
+  process then holds the whole model, and a forward calls no collective.
+- FSDP2: nothing to gather; the forward all-gathers layer by layer, so the processes must run the same number of
+  forwards (callers split work evenly, and `generate` synchronizes the processes' steps).
+- DDP, one process: nothing to do.
+"""
+
+import contextlib
+import hashlib
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def _partitioned(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    # ZeRO-3 parameters not gathered right now (`ds_status` is set by `deepspeed.zero.Init` and the engine)
+    if not any(hasattr(p, "ds_id") for p in model.parameters()):
+        return []
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return [p for p in model.parameters() if hasattr(p, "ds_id") and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+
+
+def _is_meta(model: torch.nn.Module) -> bool:
+    return any(p.device.type == "meta" for p in model.parameters())
+
+
+@contextlib.contextmanager
+def full_weights(model: torch.nn.Module, engine=None):
+    """
+    Context in which every process holds the whole weights of `model` for inference outside the training engine's
+    forward (see the module's docstring).
+
+    Args:
+        model (`torch.nn.Module`):
+            The model (unwrapped: the module itself, not a DeepSpeed engine or DDP wrapper).
+        engine (`deepspeed.DeepSpeedEngine`, *optional*):
+            The DeepSpeed engine that wraps `model` once training has started (a trainer's `deepspeed`): its ZeRO-3
+            hooks are removed while the weights are gathered. Without it, a model that an engine holds is left to its
+            hooks, which gather layer by layer.
+
+    Yields:
+        `torch.nn.Module`: `model`.
+
+    Raises:
+        `ValueError`:
+            When this process holds no weights at all (parameters on the `meta` device, as FSDP's CPU-RAM-efficient
+            loading leaves them on every process but the first until training starts).
+    """
+    if _is_meta(model):
+        raise ValueError(
+            "This process holds no weights (its parameters are on the `meta` device): FSDP's CPU-RAM-efficient "
+            "loading loads them on the first process only, until training starts, and trl-topr samples and computes "
+            "behavior log-probs before that. Set `fsdp_cpu_ram_efficient_loading: false` in the Accelerate "
+            "configuration (or the environment variable FSDP_CPU_RAM_EFFICIENT_LOADING=false)."
+        )
+    partitioned = _partitioned(model)
+    if not partitioned:
+        yield model
+        return
+    hooked = any(hasattr(module, "ds_grads_remaining") for module in model.modules())  # registered by an engine
+    if hooked and engine is None:
+        yield model  # the engine's hooks gather each layer's weights in its forward
+        return
+    import deepspeed
+    from trl.models.utils import add_hooks, remove_hooks
+
+    with deepspeed.zero.GatheredParameters(partitioned):
+        if hooked:
+            remove_hooks(engine)
+        try:
+            yield model
+        finally:
+            if hooked:
+                add_hooks(engine)
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """
+    A hash of the whole weights of `model` (parameters and buffers, with their names and dtypes), the same under one
+    process, DDP, DeepSpeed ZeRO-3 and FSDP2: partitioned ZeRO-3 parameters are gathered one at a time and FSDP2's
+    sharded `DTensor`s read whole. Every process must call it (it gathers).
+
+    Args:
+        model (`torch.nn.Module`):
+            The model (unwrapped).
+
+    Returns:
+        `str`: the hex digest.
+    """
+    partitioned = {id(p) for p in _partitioned(model)}
+    digest = hashlib.sha256()
+    tensors = sorted([*model.named_parameters(), *model.named_buffers()], key=lambda item: item[0])
+    for name, tensor in tensors:
+        if id(tensor) in partitioned:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([tensor]):
+                data = tensor.detach().cpu().clone()
+        elif isinstance(tensor, DTensor):
+            data = tensor.full_tensor().detach().cpu()
+        else:  # a copy: `.numpy()` pins a tensor's storage, which FSDP2 resizes to free unsharded parameters
+            data = tensor.detach().to("cpu", copy=True)
+        digest.update(f"{name}:{data.dtype}:{tuple(data.shape)}".encode())
+        digest.update(data.float().numpy().tobytes() if data.dtype.itemsize < 4 else data.numpy().tobytes())
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def unsharded_loading():
+    """
+    Context in which `from_pretrained` loads a whole model on this process alone, also under DeepSpeed ZeRO-3, whose
+    `deepspeed.zero.Init` would otherwise partition it at load time, a collective of every process (e.g. merging a
+    LoRA adapter on the main process).
+    """
+    from transformers.integrations.deepspeed import (
+        _hf_deepspeed_config_weak_ref,
+        set_hf_deepspeed_config,
+        unset_hf_deepspeed_config,
+    )
+
+    config = _hf_deepspeed_config_weak_ref() if _hf_deepspeed_config_weak_ref is not None else None
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        if config is not None:
+            set_hf_deepspeed_config(config)
+
+
+def check_saves_whole_weights(trainer) -> None:
+    """
+    Check that `trainer.save_model` writes whole weights that `from_pretrained` loads, as the iterative loop needs
+    each round: under DeepSpeed ZeRO-3 with `stage3_gather_16bit_weights_on_model_save`, under FSDP with a full state
+    dict. Otherwise they save shards that only the engine can read.
+
+    Args:
+        trainer ([`~transformers.Trainer`]):
+            A trainer, before training.
+
+    Raises:
+        `ValueError`:
+            Naming the setting to change.
+    """
+    state = trainer.accelerator.state
+    if trainer.is_deepspeed_enabled:
+        zero = state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
+        if zero.get("stage") == 3 and not zero.get("stage3_gather_16bit_weights_on_model_save", False):
+            raise ValueError(
+                "Under DeepSpeed ZeRO-3, each round's model is saved and loaded again for the next round, which needs "
+                "`stage3_gather_16bit_weights_on_model_save: true` in the DeepSpeed configuration "
+                "(`zero3_save_16bit_model: true` in an Accelerate configuration)."
+            )
+    if trainer.is_fsdp_enabled and "FULL_STATE_DICT" not in str(state.fsdp_plugin.state_dict_type):
+        raise ValueError(
+            "Under FSDP, each round's model is saved and loaded again for the next round, which needs "
+            "`fsdp_state_dict_type: FULL_STATE_DICT` in the Accelerate configuration (found "
+            f"{state.fsdp_plugin.state_dict_type})."
+        )
