@@ -335,7 +335,10 @@ def main(argv=None) -> str:
             temperature=1.0, top_k=0, max_new_tokens=setting["max_new_tokens"], seed=0, batch_size=32,
             args=TOPRConfig(**common_args(setting, str(Path(work) / "sample"), 0)), progress=False,
         )  # fmt: skip
-        data = data.select_columns(["prompt", "completion", "reward", "behavior_logps"])
+        # the sampled ids too: the per-token behavior log-probs cover them, and TOPRTrainer trains them exactly
+        data = data.select_columns(
+            ["prompt", "completion", "reward", "behavior_logps", "prompt_ids", "completion_ids"]
+        )
         positives = sum(r > 0 for r in data["reward"])
         sampled_s = time.perf_counter() - t0
         print(f"dataset: {len(data)} rows, {positives} positive ({positives / len(data):.1%}); "

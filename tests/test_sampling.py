@@ -48,6 +48,31 @@ def test_sampled_dataset_follows_the_data_contract(model_and_tokenizer, tmp_path
         assert isinstance(row["completion"], list) == conversational
 
 
+@pytest.mark.parametrize("conversational", [False, True])
+def test_training_uses_exactly_the_sampled_token_ids(model_and_tokenizer, tmp_path, conversational):
+    # Completions go through no text round trip: what is trained is what was sampled, a completion cut at
+    # max_new_tokens gets no end token, and one that ended gets nothing after its own end token (the chat template
+    # would add a newline after it).
+    model, tokenizer = model_and_tokenizer
+    args = make_args(tmp_path, max_steps=1, per_device_train_batch_size=8)
+    data = sample_completions(model, prompts(conversational, 4), has_digit, processing_class=tokenizer, num_samples=6,
+                              max_new_tokens=5, args=args, progress=False)
+    eos = tokenizer.eos_token_id
+    cut = [ids for ids in data["completion_ids"] if eos not in ids]
+    ended = [ids for ids in data["completion_ids"] if eos in ids]
+    assert cut and all(len(ids) == 5 for ids in cut)  # the random tiny model runs into the limit
+    assert all(ids.index(eos) == len(ids) - 1 for ids in ended)
+    trainer = TOPRTrainer(model, args=args, train_dataset=data, processing_class=tokenizer)
+    prepared = trainer.train_dataset
+    for row in range(len(data)):
+        prompt_ids, completion_ids = data[row]["prompt_ids"], data[row]["completion_ids"]
+        assert prepared[row]["input_ids"] == prompt_ids + completion_ids
+        assert prepared[row]["labels"] == [-100] * len(prompt_ids) + completion_ids
+        assert len(prepared[row]["behavior_logps"]) == len(completion_ids)  # mu of exactly those tokens
+    trainer.train()
+    assert math.isfinite(trainer.state.log_history[0]["loss"])
+
+
 @pytest.mark.parametrize("bf16", [False, True])
 def test_training_on_the_samples_starts_with_every_ratio_at_one(model_and_tokenizer, tmp_path, bf16):
     model, tokenizer = model_and_tokenizer

@@ -17,6 +17,11 @@ def replace(dataset: Dataset, column: str, row: int, value) -> Dataset:
     return dataset.remove_columns(column).add_column(column, values)
 
 
+def ids_dataset():
+    # the ids of a sampler's output, next to the text
+    return standard_dataset().add_column("prompt_ids", [[5, 6, 7]] * 8).add_column("completion_ids", [[8, 9]] * 8)
+
+
 def behavior_for(dataset, value):
     return dataset.add_column("behavior_logps", [value] * len(dataset))
 
@@ -103,6 +108,26 @@ CASES = {
     ),
     "not a dataset": (lambda: [{"prompt": "a", "completion": "b", "reward": 1.0}], "datasets.Dataset", None),
     "streaming dataset": (lambda: standard_dataset().to_iterable_dataset(), "IterableDataset", None),
+    "prompt ids without completion ids": (
+        lambda: standard_dataset().add_column("prompt_ids", [[5, 6]] * 8),
+        "column 'prompt_ids' without 'completion_ids'",
+        None,
+    ),
+    "a negative completion id": (  # Arrow keeps one type per column: a non-int id would turn every row to floats
+        lambda: replace(ids_dataset(), "completion_ids", 3, [7, -1]),
+        "column 'completion_ids', row 3",
+        "list of token ids",
+    ),
+    "empty completion ids": (
+        lambda: replace(ids_dataset(), "completion_ids", 5, []),
+        "column 'completion_ids', row 5",
+        "at least one token id",
+    ),
+    "completion ids outside the vocabulary": (
+        lambda: replace(ids_dataset(), "completion_ids", 2, [7, 100000]),
+        "column 'completion_ids', row 2",
+        "outside the model's vocabulary",
+    ),
     "configured column clashes with an existing one": (
         lambda: standard_dataset().add_column("score", [0.0] * 8),
         "exist but the config reads other columns",

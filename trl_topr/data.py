@@ -5,7 +5,11 @@ A TOPR dataset has one row per completion, with columns (names configurable in [
 - `prompt`, `completion`: text, or lists of messages (conversational), as TRL's prompt-completion datasets;
 - `reward`: a finite number, or instead a boolean `label` (+1 / -1);
 - `behavior_logps` (optional): log mu of the completion, one float (summed over the completion tokens) or a list with
-  one float per completion token.
+  one float per completion token;
+- `prompt_ids`, `completion_ids` (optional, together; TRL's names for tokenized data): the token ids the sampler
+  produced. When given, they are what is trained, exactly: no re-tokenization of the text, and no end-of-sequence
+  token added (a completion cut at the length limit stays cut; one that ended carries its own end token). The text
+  columns are then for reading and for reward functions only.
 
 Every row must keep at least one completion token after tokenization and `max_length` truncation. An empty
 completion does: it is trained on what the tokenization adds after it (the EOS token of text, the end of the
@@ -26,6 +30,8 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 # Canonical column names inside the trainer. User columns are renamed to these before tokenization.
 PROMPT, COMPLETION, REWARD, BEHAVIOR_LOGPS = "prompt", "completion", "reward", "behavior_logps"
+# Token ids of sampled data (TRL's names for tokenized prompt-completion data); never renamed.
+PROMPT_IDS, COMPLETION_IDS = "prompt_ids", "completion_ids"
 
 
 class TOPRDataError(ValueError):
@@ -124,6 +130,21 @@ def validate_and_standardize(dataset: Dataset, args, dataset_name: str = "train"
     for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
         _check_text(prompt, conversational, dataset_name, args.prompt_column, row, is_completion=False)
         _check_text(completion, conversational, dataset_name, args.completion_column, row, is_completion=True)
+
+    # Token ids: both columns or neither, lists of token ids, at least one completion token.
+    if (PROMPT_IDS in columns) != (COMPLETION_IDS in columns):
+        present, absent = (PROMPT_IDS, COMPLETION_IDS) if PROMPT_IDS in columns else (COMPLETION_IDS, PROMPT_IDS)
+        raise TOPRDataError(
+            f"{dataset_name} dataset: column '{present}' without '{absent}': token ids are given for both the prompt "
+            "and the completion, or for neither (then the text is tokenized)."
+        )
+    if PROMPT_IDS in columns:
+        for column in (PROMPT_IDS, COMPLETION_IDS):
+            for row, ids in enumerate(dataset[column]):
+                if not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids):
+                    raise _fail(dataset_name, column, row, f"expected a list of token ids (ints >= 0), got {ids!r}.")
+                if column == COMPLETION_IDS and not ids:
+                    raise _fail(dataset_name, column, row, "a completion needs at least one token id, got [].")
 
     # Rewards: finite numbers, or booleans in the label column.
     if has_reward:

@@ -30,7 +30,7 @@ from trl.data_utils import _tokenize
 from trl.trainer.utils import create_model_from_path
 
 from .config import TOPRConfig
-from .data import BEHAVIOR_LOGPS, COMPLETION, PROMPT, REWARD, TOPRDataError
+from .data import BEHAVIOR_LOGPS, COMPLETION, COMPLETION_IDS, PROMPT, PROMPT_IDS, REWARD, TOPRDataError
 from .distributed import full_weights
 from .precision import autocast
 from .trainer import TOPRTrainer
@@ -410,9 +410,11 @@ def sample_completions(
 
     Returns:
         [`~datasets.Dataset`]: one row per completion with `prompt`, `completion`, `reward`, `behavior_logps` (one
-        value per completion token, the whole completion), one column per reward function, and the prompt's other
-        columns — the [`TOPRTrainer`] data contract, trainable with `args`. An empty completion (the model ended at
-        once) is kept: it is trained on its end-of-sequence token, the decision to stop.
+        value per completion token, the whole completion), `prompt_ids` and `completion_ids` (the token ids generated
+        from and generated, which training uses exactly: a completion cut at `max_new_tokens` gets no end token), one
+        column per reward function, and the prompt's other columns — the [`TOPRTrainer`] data contract, trainable
+        with `args`. An empty completion (the model ended at once) is kept: it is trained on its end-of-sequence
+        token, the decision to stop.
 
     Raises:
         [`TOPRDataError`]:
@@ -453,8 +455,14 @@ def sample_completions(
         rewards, per_func = score_completions(
             list(samples[PROMPT]), completions, reward_funcs, reward_weights, completion_ids, **others
         )
-        samples = samples.remove_columns([c for c in (COMPLETION, REWARD, BEHAVIOR_LOGPS) if c in samples.column_names])
+        replaced = (COMPLETION, REWARD, BEHAVIOR_LOGPS, PROMPT_IDS, COMPLETION_IDS)
+        samples = samples.remove_columns([c for c in replaced if c in samples.column_names])
         samples = samples.add_column(COMPLETION, completions).add_column(REWARD, rewards)
+        # The ids the model generated from and generated: what training trains on, exactly (no text round trip, no
+        # end-of-sequence token added to a completion cut at `max_new_tokens`).
+        prompt_ids = [_prompt_ids(processing_class, prompt) for prompt in prompts]
+        samples = samples.add_column(PROMPT_IDS, [prompt_ids[row] for row in rows])
+        samples = samples.add_column(COMPLETION_IDS, completion_ids)
         for name, values in per_func.items():
             samples = samples.remove_columns(name) if name in samples.column_names else samples
             samples = samples.add_column(name, values)

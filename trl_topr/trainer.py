@@ -12,7 +12,7 @@ from accelerate.utils import broadcast_object_list
 from datasets import Dataset, concatenate_datasets, is_caching_enabled
 from datasets.fingerprint import Hasher
 from torch.utils.data import DataLoader
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback, TrainingArguments
+from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import is_bitsandbytes_available
 from trl import SFTTrainer
@@ -21,7 +21,16 @@ from trl.trainer.utils import get_config_model_id
 
 from .composition import baseline_for_positive_fraction
 from .config import TOPRConfig
-from .data import BEHAVIOR_LOGPS, REWARD, DataCollatorForTOPR, check_and_truncate_tokens, validate_and_standardize
+from .data import (
+    BEHAVIOR_LOGPS,
+    COMPLETION_IDS,
+    PROMPT_IDS,
+    REWARD,
+    DataCollatorForTOPR,
+    TOPRDataError,
+    check_and_truncate_tokens,
+    validate_and_standardize,
+)
 from .distributed import full_weights, weights_fingerprint
 from .loss import combine_metrics, topr_loss
 
@@ -223,6 +232,12 @@ class TOPRTrainer(SFTTrainer):
         else:
             self.baseline = args.baseline if args.baseline is not None else 0.0
 
+        # The model's vocabulary, to check given token ids against (datasets are prepared before the model is set).
+        if isinstance(model, str):
+            self._vocab_size = AutoConfig.from_pretrained(model).get_text_config().vocab_size
+        else:
+            self._vocab_size = model.get_input_embeddings().num_embeddings
+
         with _sft_loss_type(args):
             super().__init__(
                 model=model,
@@ -252,12 +267,31 @@ class TOPRTrainer(SFTTrainer):
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
         if "input_ids" in dataset.column_names:  # already prepared
             return dataset
+        if PROMPT_IDS in dataset.column_names:  # the sampler's own ids: trained exactly, TRL sees tokenized data
+            dataset = self._tokens_from_ids(dataset, dataset_name)
         # Tokenize with TRL's SFT preparation, untruncated, so that the checks below see every row at its index.
         untruncated = copy.copy(args)
         untruncated.max_length, untruncated.shuffle_dataset = None, False
         dataset = super()._prepare_dataset(dataset, processing_class, untruncated, False, None, dataset_name)
         dataset = check_and_truncate_tokens(dataset, args.max_length, dataset_name)
         return dataset.shuffle(seed=args.seed) if args.shuffle_dataset else dataset
+
+    def _tokens_from_ids(self, dataset: Dataset, dataset_name: str) -> Dataset:
+        # input_ids = prompt + completion ids, labels on the completion only; nothing added, nothing re-tokenized.
+        vocab_size = self._vocab_size
+        for column in (PROMPT_IDS, COMPLETION_IDS):
+            for row, ids in enumerate(dataset[column]):
+                if ids and max(ids) >= vocab_size:
+                    raise TOPRDataError(
+                        f"{dataset_name} dataset, column '{column}', row {row}: token id {max(ids)} is outside the "
+                        f"model's vocabulary ({vocab_size} tokens): the ids come from another tokenizer."
+                    )
+
+        def concatenate(example):
+            prompt_ids, completion_ids = example[PROMPT_IDS], example[COMPLETION_IDS]
+            return {"input_ids": prompt_ids + completion_ids, "labels": [-100] * len(prompt_ids) + completion_ids}
+
+        return dataset.map(concatenate, desc=f"Taking the sampled token ids of the {dataset_name} dataset")
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
         """
