@@ -48,3 +48,10 @@ def test_sampling_benchmark_prints_ratio_table(capsys):
     assert [row.split("|")[1].strip() for row in rows] == ["sampling", "precompute",
                                                          "precompute's forward alone (fused LM head)"]
     assert all(float(row.split("|")[4]) > 0 for row in rows)
+
+
+def test_precision_benchmark_prints_both_precisions_and_the_choice(capsys):
+    table = load("precision").main(["--quick", "--reps", "1"])
+    assert table in capsys.readouterr().out
+    header, _rule, row = table.splitlines()
+    assert "bf16/fp32" in header and row.split("|")[-2].strip() in ("bf16", "fp32")

@@ -4,8 +4,9 @@ TRL's configurations turn bf16 mixed precision on by default. That is right on r
 very wrong on the many CPUs without native bf16 units, where bf16 matmuls are emulated: measured with 1024x1024
 matmuls, bf16 is about 2x faster than float32 with AMX, 2x slower on AVX512 without AVX512-BF16, and 50x slower with
 AVX2 only. AVX512-BF16 without AMX is not enough: on such a 2-core Xeon, bf16 matmuls ran at half the float32 speed
-(164 vs 313 GFLOP/s) and the embedded GSM8K default took 184 s in bf16 against 128 s in float32. Every place of this library that trains, samples or evaluates a model follows [`has_native_bf16`] when the
-user has not chosen a precision.
+(`python benchmarks/precision.py`: 182 vs 352 GFLOP/s) and the embedded GSM8K default took 184 s in bf16 against 128 s
+in float32. Every place of this library that trains, samples or evaluates a model follows [`has_native_bf16`] when
+the user has not chosen a precision.
 """
 
 import logging

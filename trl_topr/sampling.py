@@ -236,6 +236,8 @@ def generate_completions(
     # Each process generates an equal contiguous share of the prompts, the last shares padded with copies of the last
     # prompt (dropped after gathering): under FSDP2 and ZeRO-3 every forward is a collective, so every process runs
     # as many batches (and `generate` keeps their steps in sync). Gathering in rank order restores the order.
+    # (accelerate's `apply_padding` pads each short share in place, which leaves the copies mid-list after gathering,
+    # and fails for a process that gets no prompt at all.)
     prompts = list(prompts)
     padded = prompts + prompts[-1:] * (-len(prompts) % state.num_processes)
     with state.split_between_processes(padded) as shard, full_weights(model):
@@ -336,18 +338,19 @@ class _SelfScorer(TOPRTrainer):
     _behavior_is_this_model = True
 
 
-def _check_prompts_fit(processing_class, prompts: list, max_length: int | None) -> None:
-    # A prompt of `max_length` tokens or more leaves no completion token to train on: say so before generating.
-    if max_length is None:
-        return
-    for row, prompt in enumerate(prompts):
-        length = len(_prompt_ids(processing_class, prompt))
-        if length >= max_length:
+def _checked_prompt_ids(processing_class, prompts: list, max_length: int | None) -> list[list[int]]:
+    # The prompts' token ids, each checked before anything is generated: a prompt of `max_length` tokens or more
+    # leaves no completion token to train on.
+    all_ids = [_prompt_ids(processing_class, prompt) for prompt in prompts]
+    for row, ids in enumerate(all_ids):
+        length = len(ids)
+        if max_length is not None and length >= max_length:
             raise TOPRDataError(
                 f"prompts dataset, column '{PROMPT}', row {row}: the prompt has {length} tokens, which fill "
                 f"`max_length` ({max_length}): no completion token would be left to train on. Raise `max_length` "
                 "or shorten the prompt."
             )
+    return all_ids
 
 
 def sample_completions(
@@ -440,7 +443,7 @@ def sample_completions(
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
         prompts = list(dataset[PROMPT])
-        _check_prompts_fit(processing_class, prompts, max_length)
+        prompt_ids = _checked_prompt_ids(processing_class, prompts, max_length)
 
         set_seed(seed + PartialState().process_index)  # processes sample different shares of the prompts
         completions, completion_ids, tokens_per_s = generate_completions(
@@ -460,7 +463,6 @@ def sample_completions(
         samples = samples.add_column(COMPLETION, completions).add_column(REWARD, rewards)
         # The ids the model generated from and generated: what training trains on, exactly (no text round trip, no
         # end-of-sequence token added to a completion cut at `max_new_tokens`).
-        prompt_ids = [_prompt_ids(processing_class, prompt) for prompt in prompts]
         samples = samples.add_column(PROMPT_IDS, [prompt_ids[row] for row in rows])
         samples = samples.add_column(COMPLETION_IDS, completion_ids)
         for name, values in per_func.items():

@@ -1,0 +1,62 @@
+"""bf16 against float32 matmul throughput on this machine, side by side, and the precision trl-topr picks for it.
+
+    python benchmarks/precision.py           # 1024 x 1024 matmuls, 2 s per precision
+    python benchmarks/precision.py --quick   # 64 x 64, a fraction of a second (tests/test_benchmarks.py)
+
+The two precisions alternate `--reps` times (medians reported), on the CPU or on the GPU that training would use. The
+rule ([`trl_topr.precision.has_native_bf16`]) does not measure: this command checks it against the hardware.
+"""
+
+import argparse
+import statistics
+import time
+
+
+def gflops(dtype, size: int, seconds: float, device: str) -> float:
+    """Matmul GFLOP/s of `size` x `size` matrices of `dtype`, timed over about `seconds`."""
+    import torch
+
+    a, b = torch.randn(size, size, device=device).to(dtype), torch.randn(size, size, device=device).to(dtype)
+    for _ in range(3):
+        a @ b
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        count += 1
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return 2 * size**3 * count / (time.perf_counter() - start) / 1e9
+
+
+def main(argv=None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small matrices, short timings (smoke run)")
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from trl_topr.precision import device_type, has_native_bf16
+
+    device = device_type()
+    size, seconds = (64, 0.05) if args.quick else (1024, 2.0)
+    rates = {torch.float32: [], torch.bfloat16: []}
+    for _ in range(args.reps):
+        for dtype in rates:
+            rates[dtype].append(gflops(dtype, size, seconds, device))
+    fp32, bf16 = statistics.median(rates[torch.float32]), statistics.median(rates[torch.bfloat16])
+    cpu = (f"AMX {torch.cpu._is_amx_tile_supported()}, AVX512-BF16 {torch.cpu._is_avx512_bf16_supported()}, "
+           f"torch ISA {torch.backends.cpu.get_cpu_capability()}")
+    picked = "bf16" if has_native_bf16(device) else "fp32"
+    table = "\n".join([
+        "| device | fp32 GFLOP/s | bf16 GFLOP/s | bf16/fp32 | trl-topr picks |",
+        "|---|---|---|---|---|",
+        f"| {device} | {fp32:.1f} | {bf16:.1f} | {bf16 / fp32:.2f} | {picked} |",
+    ])
+    print(f"{size} x {size} matmuls, median of {args.reps} alternating reps; CPU: {cpu}\n")
+    print(table)
+    return table
+
+
+if __name__ == "__main__":
+    main()
