@@ -18,6 +18,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # 
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
 from trl_topr import TOPRConfig  # noqa: E402
+from trl_topr.config import CHECKPOINTING  # noqa: E402
 
 
 CHATML = (
@@ -84,7 +85,7 @@ def make_args(output_dir, **kwargs) -> TOPRConfig:
         max_steps=2,
         logging_steps=1,
         save_strategy="no",
-        activation_checkpointing=False,
+        **{CHECKPOINTING: False},  # activation checkpointing (gradient checkpointing before transformers 5.20)
         learning_rate=1e-3,
         seed=0,
         dataloader_num_workers=0,
@@ -139,3 +140,4 @@ def hub(monkeypatch):
     monkeypatch.setattr(HfApi, "create_repo", create_repo)
     monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
     return calls
+

@@ -202,55 +202,44 @@ def test_sampling_leaves_the_model_usable_for_training(model_and_tokenizer, tmp_
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
 
 
-def test_vllm_backend_plumbing(model_and_tokenizer, tmp_path, monkeypatch):
-    # vLLM cannot run here: only the engine call is replaced; request building, greedy repetition, EOS cut, decoding
-    # and the behavior log-probs are the real code.
-    import trl_topr.sampling as sampling
-
-    model, tokenizer = model_and_tokenizer
-    eos = tokenizer.eos_token_id
-    answer = tokenizer(" 3 4", add_special_tokens=False)["input_ids"]
-    calls = []
-
-    def engine_call(engine, prompt_ids, kwargs):
-        calls.append((engine, prompt_ids, kwargs))
-        return [answer + [eos, eos] for _ in prompt_ids for _ in range(kwargs["n"])]
-
-    monkeypatch.setattr(sampling, "_generate_vllm", engine_call)
-    data = sample_completions(model, prompts(True, 2), has_digit, processing_class=tokenizer, num_samples=3,
-                              top_k=500, max_new_tokens=7, seed=5, args=make_args(tmp_path), vllm_engine="engine",
-                              progress=False)
-    (engine, prompt_ids, kwargs), = calls
-    expected_ids = tokenizer.apply_chat_template(prompts(True, 2)[0]["prompt"], add_generation_prompt=True,
-                                                 tokenize=True, return_dict=True)["input_ids"]
-    assert engine == "engine" and prompt_ids[0] == expected_ids
-    assert kwargs == {"n": 3, "temperature": 1.0, "top_p": 1.0, "top_k": 500, "max_tokens": 7, "seed": 5}
-    assert [c[-1]["content"] for c in data["completion"]] == [tokenizer.decode(answer)] * 6
-    assert all(r == 1.0 for r in data["reward"])
-    assert all(len(b) > 0 for b in data["behavior_logps"])
-
-
-def test_vllm_backend_without_vllm_says_how_to_install():
+def test_use_vllm_without_vllm_says_how_to_install(model_and_tokenizer, tmp_path):
     import importlib.util
 
-    from trl_topr.sampling import _generate_vllm
+    from trl_topr.vllm import vllm_generation_from_config
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed: this checks the message shown without it")
+    model, tokenizer = model_and_tokenizer
     with pytest.raises(ImportError, match=r"pip install trl-topr\[vllm\]"):
-        _generate_vllm(object(), [[1, 2]], {"n": 1})
+        vllm_generation_from_config(model, tokenizer, make_args(tmp_path, use_vllm=True))
+
+
+def test_vllm_options_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="vllm_mode"):
+        make_args(tmp_path, use_vllm=True, vllm_mode="remote")
+    with pytest.raises(ValueError, match="behavior_logps_source"):
+        make_args(tmp_path, behavior_logps_source="engine")
+    with pytest.raises(ValueError, match="use_vllm=True"):
+        make_args(tmp_path, behavior_logps_source="sampler")
+
+
+def test_behavior_logps_mismatch_compares_the_summed_log_probs():
+    from trl_topr.sampling import behavior_logps_mismatch
+
+    data = Dataset.from_dict({"sampler_logps": [[-1.0, -2.0], [-0.5]], "behavior_logps": [[-1.0, -2.5], [-0.5]]})
+    assert behavior_logps_mismatch(data) == {"behavior_logps_mismatch_mean": 0.25, "behavior_logps_mismatch_max": 0.5}
+    assert behavior_logps_mismatch(data.remove_columns("sampler_logps")) == {}
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and vLLM")
 def test_vllm_engine_on_gpu(tiny_model_path, tmp_path):
-    vllm = pytest.importorskip("vllm", reason="vLLM is an optional GPU extra: pip install trl-topr[vllm]")
-    engine = vllm.LLM(model=tiny_model_path, gpu_memory_utilization=0.2, enforce_eager=True)
+    pytest.importorskip("vllm", reason="vLLM is an optional GPU extra: pip install trl-topr[vllm]")
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path).cuda()
     args = make_args(tmp_path, use_cpu=False, bf16=False, max_steps=1, per_device_train_batch_size=8,
-                     learning_rate=0.0)
+                     learning_rate=0.0, use_vllm=True, vllm_gpu_memory_utilization=0.2)
     data = sample_completions(model, prompts(False, 2), has_digit, num_samples=4, max_new_tokens=8, args=args,
-                              vllm_engine=engine, progress=False)
+                              progress=False)
     trainer = TOPRTrainer(model, args=args, train_dataset=data)
     trainer.train()
     assert abs(trainer.state.log_history[0]["log_ratio_max"]) < 1e-3

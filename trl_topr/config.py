@@ -1,10 +1,20 @@
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
-from trl import SFTConfig
+from transformers import TrainingArguments
+from trl import GRPOConfig, SFTConfig
 
 from .loss import LOSS_NORMALIZATIONS, LOSS_TYPES, RATIO_LEVELS, resolve_ratio_bounds
 from .precision import apply_precision_defaults
+
+
+# transformers 5.20 renamed gradient checkpointing "activation checkpointing" (the old names stay as deprecated
+# aliases); vLLM's CPU build pins transformers < 5.20, which has the old names only.
+CHECKPOINTING = (
+    "activation_checkpointing"
+    if "activation_checkpointing" in {f.name for f in fields(TrainingArguments)}
+    else "gradient_checkpointing"
+)
 
 
 def apply_training_defaults(args) -> None:
@@ -19,12 +29,93 @@ def apply_training_defaults(args) -> None:
             The configuration, before its `__post_init__`.
     """
     apply_precision_defaults(args)
-    if args.activation_checkpointing is None and args.gradient_checkpointing is None:
-        args.activation_checkpointing = True
+    if getattr(args, "activation_checkpointing", None) is None and args.gradient_checkpointing is None:
+        setattr(args, CHECKPOINTING, True)
+
+
+VLLM_FIELDS = (
+    "use_vllm", "vllm_mode", "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
+    "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size", "vllm_enable_sleep_mode",
+    "vllm_model_impl",
+)  # fmt: skip
+BEHAVIOR_LOGPS_SOURCES = ("trainer", "sampler")
+
+
+def _like_grpo(name: str):
+    # GRPOConfig's field `name`: its default and its help, so that the vLLM options read as in TRL's GRPO
+    grpo_field = GRPOConfig.__dataclass_fields__[name]
+    return field(default=grpo_field.default, metadata=dict(grpo_field.metadata))
 
 
 @dataclass
-class TOPRConfig(SFTConfig):
+class VLLMArguments:
+    r"""
+    Sampling with vLLM: TRL's GRPO options (same names, defaults and meaning), read by [`run_topr_loop`],
+    [`sample_completions`], `recipes/gsm8k.py` and `trl-topr sample`, and the choice of the behavior log-probs.
+
+    Parameters:
+        use_vllm (`bool`, *optional*, defaults to `False`):
+            Sample with vLLM instead of transformers' `generate` (`pip install trl-topr[vllm]`).
+        vllm_mode (`str`, *optional*, defaults to `"colocate"`):
+            `"colocate"`: an engine in each training process. `"server"`: a running vLLM server (see
+            `docs/sampling.md` for the command), reloaded from each round's saved folder.
+        vllm_server_base_url (`str`, *optional*):
+            Base URL of the server; overrides `vllm_server_host` and `vllm_server_port`.
+        vllm_server_host (`str`, *optional*, defaults to `"0.0.0.0"`):
+            Host of the server.
+        vllm_server_port (`int`, *optional*, defaults to `8000`):
+            Port of the server.
+        vllm_server_timeout (`float`, *optional*, defaults to `240.0`):
+            Seconds to wait for the server to be up.
+        vllm_gpu_memory_utilization (`float`, *optional*, defaults to `0.3`):
+            GPU memory share of a colocated engine (weights, activations, KV cache).
+        vllm_max_model_length (`int`, *optional*):
+            Context length of a colocated engine (prompt and completion); defaults to the model's.
+        vllm_tensor_parallel_size (`int`, *optional*, defaults to `1`):
+            Tensor parallelism of a colocated engine.
+        vllm_enable_sleep_mode (`bool`, *optional*, defaults to `False`):
+            Let a colocated engine release its memory while the model trains.
+        vllm_model_impl (`str`, *optional*, defaults to `"vllm"`):
+            vLLM's model implementation: `"vllm"` or `"transformers"`.
+        behavior_logps_source (`str`, *optional*, defaults to `"trainer"`):
+            Where the behavior log-probs mu of sampled completions come from. `"trainer"`: recomputed by the
+            trainer's forward, exactly consistent with pi (one forward pass); the sampler's own log-probs, when it
+            returns any, are compared with them (logged as `behavior_logps_mismatch_*`). `"sampler"`: vLLM's raw
+            log-probs (free, the distribution actually sampled, but computed by other kernels, in the engine's
+            precision). See `docs/sampling.md`.
+    """
+
+    use_vllm: bool = _like_grpo("use_vllm")
+    vllm_mode: str = _like_grpo("vllm_mode")
+    vllm_server_base_url: str | None = _like_grpo("vllm_server_base_url")
+    vllm_server_host: str = _like_grpo("vllm_server_host")
+    vllm_server_port: int = _like_grpo("vllm_server_port")
+    vllm_server_timeout: float = _like_grpo("vllm_server_timeout")
+    vllm_gpu_memory_utilization: float = _like_grpo("vllm_gpu_memory_utilization")
+    vllm_max_model_length: int | None = _like_grpo("vllm_max_model_length")
+    vllm_tensor_parallel_size: int = _like_grpo("vllm_tensor_parallel_size")
+    vllm_enable_sleep_mode: bool = _like_grpo("vllm_enable_sleep_mode")
+    vllm_model_impl: str = _like_grpo("vllm_model_impl")
+    behavior_logps_source: str = field(
+        default="trainer",
+        metadata={"help": "Behavior log-probs of sampled completions: 'trainer' (recomputed by the trainer's forward, "
+                  "consistent with pi) or 'sampler' (vLLM's raw log-probs, free).", "choices": BEHAVIOR_LOGPS_SOURCES},
+    )
+
+    def check_vllm_arguments(self) -> None:
+        """Raise a `ValueError` naming the field when a vLLM option has an unknown value."""
+        if self.vllm_mode not in ("colocate", "server"):
+            raise ValueError(f"`vllm_mode` must be 'colocate' or 'server', got {self.vllm_mode!r}.")
+        if self.behavior_logps_source not in BEHAVIOR_LOGPS_SOURCES:
+            raise ValueError(
+                f"`behavior_logps_source` must be one of {BEHAVIOR_LOGPS_SOURCES}, got {self.behavior_logps_source!r}."
+            )
+        if self.behavior_logps_source == "sampler" and not self.use_vllm:
+            raise ValueError("`behavior_logps_source='sampler'` takes vLLM's log-probs: set `use_vllm=True` too.")
+
+
+@dataclass
+class TOPRConfig(VLLMArguments, SFTConfig):
     r"""
     Configuration class for the [`TOPRTrainer`].
 
@@ -87,6 +178,14 @@ class TOPRConfig(SFTConfig):
             training with the initial policy.
         precompute_behavior_batch_size (`int`, *optional*):
             Batch size of the behavior log-prob precompute. Defaults to `per_device_eval_batch_size`.
+
+        > Parameters that control sampling (the loop, `sample_completions`)
+
+        use_vllm, vllm_mode, vllm_server_base_url, vllm_server_host, vllm_server_port, vllm_server_timeout,
+        vllm_gpu_memory_utilization, vllm_max_model_length, vllm_tensor_parallel_size, vllm_enable_sleep_mode,
+        vllm_model_impl, behavior_logps_source:
+            Sampling with vLLM, as in TRL's [`~trl.GRPOConfig`], and the source of the behavior log-probs; see
+            [`~trl_topr.config.VLLMArguments`]. [`TOPRTrainer`] itself does not sample: it ignores them.
 
     > [!NOTE]
     > These parameters have default values different from [`~trl.SFTConfig`]:
@@ -205,6 +304,7 @@ class TOPRConfig(SFTConfig):
     def __post_init__(self):
         apply_training_defaults(self)
         super().__post_init__()
+        self.check_vllm_arguments()
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"Unknown `loss_type` {self.loss_type!r}: expected one of {LOSS_TYPES}.")
         if self.ratio_level not in RATIO_LEVELS:

@@ -26,6 +26,7 @@ def evaluate_policy(
     seed: int = 0,
     progress: bool = True,
     bf16: bool | None = None,
+    vllm_generation=None,
 ) -> dict[str, float]:
     """
     Accuracy and validity of a policy's answers, as the TOPR paper reports them.
@@ -61,6 +62,8 @@ def evaluate_policy(
             Show progress bars.
         bf16 (`bool`, *optional*):
             Generate under bf16 autocast. Defaults to the hardware (see [`~trl_topr.precision.has_native_bf16`]).
+        vllm_generation ([`~trl_topr.vllm.TOPRVLLMGeneration`], *optional*):
+            Generate with this vLLM sampler, holding the policy's weights, instead of transformers.
 
     Returns:
         `dict[str, float]`: `pass@1_greedy` (greedy accuracy), `pass@1` (mean accuracy of the samples),
@@ -77,12 +80,13 @@ def evaluate_policy(
         _, per_func = score_completions(prompt_list, completions, {"correct": correct_func}, **repeated)
         return [value > 0 for value in per_func["correct"]]
 
-    settings = dict(max_new_tokens=max_new_tokens, batch_size=batch_size, progress=progress, bf16=bf16)
+    settings = dict(max_new_tokens=max_new_tokens, batch_size=batch_size, progress=progress, bf16=bf16,
+                    vllm_generation=vllm_generation)  # fmt: skip
     greedy, _, _ = generate_completions(model, processing_class, prompts, temperature=0, **settings)
     set_seed(seed)
     sampled, sampled_ids, _ = generate_completions(
         model, processing_class, prompts, num_samples=num_samples, temperature=temperature, top_p=top_p, top_k=top_k,
-        **settings,
+        seed=seed, **settings,
     )  # fmt: skip
     greedy_correct, sampled_correct = correctness(greedy, 1), correctness(sampled, num_samples)
     sampled_answers = [answer_func(completion_text(c)) for c in sampled]

@@ -1,5 +1,6 @@
 """The paper's iterative TOPR: sample with the current model, score, curate, train one epoch, evaluate, save, repeat."""
 
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -20,8 +21,9 @@ from .config import TOPRConfig
 from .data import REWARD
 from .distributed import check_saves_whole_weights, full_weights, unsharded_loading
 from .evaluation import evaluate_policy
-from .sampling import RewardFuncs, sample_completions
+from .sampling import RewardFuncs, behavior_logps_mismatch, sample_completions
 from .trainer import TOPRTrainer
+from .vllm import vllm_generation_from_config
 
 
 logger = get_logger(__name__)
@@ -171,13 +173,29 @@ def run_topr_loop(
             shutil.copy(round_dir / "adapter" / "README.md", round_dir / "README.md")
         state.wait_for_everyone()
 
-    def evaluate(policy, engine=None) -> dict[str, float]:
+    sampler = None  # vLLM (`args.use_vllm`), started once with the first model, then reloaded from round folders
+    sampler_folder = None  # the folder whose weights the sampler holds (`None`: the initial model)
+
+    def sampler_for(policy, folder: str | None):
+        nonlocal sampler, sampler_folder
+        if args.use_vllm and sampler is None:
+            sampler = vllm_generation_from_config(policy, processing_class, args)
+            sampler_folder = None if folder == model else folder
+        if sampler is not None and folder != model and folder != sampler_folder:
+            sampler.reload_weights(folder)  # the weights trained last round, saved whole, without a restart
+            sampler_folder = folder
+        return sampler
+
+    def evaluate(policy, folder: str, engine=None) -> dict[str, float]:
         if eval_prompts is None:
             return {}
         logger.info(f"Evaluating on {len(eval_prompts)} held-out prompts")
-        with full_weights(policy, engine):  # ZeRO-3: gathered once, with the training engine's hooks removed
+        vllm_generation = sampler_for(policy, folder)
+        # transformers reads the weights whole (ZeRO-3: gathered once, with the training engine's hooks removed)
+        with full_weights(policy, engine) if vllm_generation is None else contextlib.nullcontext():
             return evaluate_policy(
-                policy, processing_class, eval_prompts, correct_func, answer_func, **{"bf16": args.bf16, **eval_kwargs}
+                policy, processing_class, eval_prompts, correct_func, answer_func, vllm_generation=vllm_generation,
+                **{"bf16": args.bf16, **eval_kwargs},
             )  # in the training precision unless `eval_kwargs` says otherwise
 
     def record(metrics: dict[str, Any]) -> None:
@@ -191,7 +209,7 @@ def run_topr_loop(
 
     rounds = read_rounds(str(output_dir))
     if not rounds:
-        record({"round": 0, **evaluate(load(model))})
+        record({"round": 0, **evaluate(load(model), model)})
         rounds = read_rounds(str(output_dir))
     for round_index in range(rounds[-1]["round"] + 1, num_rounds + 1):
         round_dir = output_dir / f"round-{round_index}"
@@ -205,7 +223,7 @@ def run_topr_loop(
         logger.info(f"Round {round_index}/{num_rounds}: sampling completions of {len(train_prompts)} prompts")
         samples = sample_completions(
             policy, train_prompts, reward_funcs, processing_class=processing_class, reward_weights=reward_weights,
-            seed=args.seed + round_index, args=args, **sampling_kwargs,
+            seed=args.seed + round_index, args=args, vllm_generation=sampler_for(policy, previous), **sampling_kwargs,
         )  # fmt: skip
         if state.is_main_process:
             samples.to_json(str(round_dir / "samples.jsonl"))
@@ -234,7 +252,8 @@ def run_topr_loop(
                 "num_samples": len(samples),
                 "num_train_rows": len(train_data),
                 "train_loss": train_loss,
-                **evaluate(trainer.model, getattr(trainer, "deepspeed", None)),
+                **behavior_logps_mismatch(samples),
+                **evaluate(trainer.model, str(round_dir), getattr(trainer, "deepspeed", None)),
             }
         )
         del trainer, policy

@@ -1,11 +1,13 @@
 """Online TOPR: [`~trl.GRPOTrainer`] with its loss replaced by [`topr_loss`]. Swap `GRPOTrainer` / `GRPOConfig` for
 `TOPRGRPOTrainer` / `TOPRGRPOConfig` and a TRL GRPO script trains with TOPR."""
 
+import contextlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 from trl import GRPOConfig, GRPOTrainer
+from trl.trainer import grpo_trainer
 from trl.trainer.utils import get_config_model_id
 
 from .composition import baseline_for_positive_fraction
@@ -19,6 +21,7 @@ from .loss import (
     topr_loss,
 )
 from .trainer import TOPRTrainer, record_metrics
+from .vllm import TOPRVLLMGeneration
 
 
 # Options of GRPO's own loss, which TOPR's loss replaces, with the value that leaves them off.
@@ -118,6 +121,17 @@ class TOPRGRPOConfig(GRPOConfig):
                 raise ValueError(f"`{name}` is an option of GRPO's loss, which TOPR replaces: leave it at {off!r}.")
 
 
+@contextlib.contextmanager
+def _replaced(module, name: str, value):
+    # `module.name` is `value` within the block only
+    original = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
 class TOPRGRPOTrainer(GRPOTrainer):
     r"""
     Online Tapered Off-Policy REINFORCE: [`~trl.GRPOTrainer`] with the TOPR loss, from [Tapered Off-Policy REINFORCE:
@@ -166,7 +180,9 @@ class TOPRGRPOTrainer(GRPOTrainer):
             args = TOPRGRPOConfig(f"{model_name.split('/')[-1]}-TOPR-GRPO")
         elif not isinstance(args, TOPRGRPOConfig):
             raise TypeError(f"`args` must be a TOPRGRPOConfig, got {type(args).__name__}: swap GRPOConfig for it.")
-        super().__init__(model, reward_funcs, args, *more_args, **kwargs)
+        # GRPO builds TRL's vLLM sampler inline; ours is TRL's class with vLLM's CPU build fixed (see `trl_topr.vllm`)
+        with _replaced(grpo_trainer, "VLLMGeneration", TOPRVLLMGeneration) if args.use_vllm else contextlib.nullcontext():
+            super().__init__(model, reward_funcs, args, *more_args, **kwargs)
         self._topr_metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):

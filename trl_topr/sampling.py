@@ -29,15 +29,17 @@ from transformers import AutoTokenizer, DynamicCache, PreTrainedModel, PreTraine
 from trl.data_utils import _tokenize
 from trl.trainer.utils import create_model_from_path
 
-from .config import TOPRConfig
+from .config import CHECKPOINTING, TOPRConfig
 from .data import BEHAVIOR_LOGPS, COMPLETION, COMPLETION_IDS, PROMPT, PROMPT_IDS, REWARD, TOPRDataError
 from .distributed import full_weights
 from .precision import autocast
 from .trainer import TOPRTrainer
+from .vllm import vllm_generation_from_config
 
 
 logger = get_logger(__name__)
 
+SAMPLER_LOGPS = "sampler_logps"
 RewardFuncs = Callable | list[Callable] | dict[str, Callable]
 
 
@@ -152,19 +154,6 @@ def vllm_sampling_kwargs(
     }
 
 
-def _generate_vllm(engine, prompt_ids: list[list[int]], sampling_kwargs: dict[str, Any]) -> list[list[int]]:
-    # The only call into vLLM; `engine` is a `vllm.LLM`.
-    try:
-        from vllm import SamplingParams
-    except ImportError as error:
-        raise ImportError("The vLLM backend needs vLLM: `pip install trl-topr[vllm]` (GPU machines).") from error
-
-    outputs = engine.generate(
-        [{"prompt_token_ids": ids} for ids in prompt_ids], SamplingParams(**sampling_kwargs), use_tqdm=False
-    )
-    return [list(sample.token_ids) for request in outputs for sample in request.outputs]
-
-
 def generate_completions(
     model: PreTrainedModel,
     processing_class: PreTrainedTokenizerBase,
@@ -177,12 +166,12 @@ def generate_completions(
     max_new_tokens: int = 256,
     batch_size: int = 16,
     seed: int | None = None,
-    vllm_engine=None,
+    vllm_generation=None,
     progress: bool = True,
     bf16: bool | None = None,
 ) -> tuple[list, list[list[int]], float]:
     """
-    Generate `num_samples` completions per prompt, with `model.generate` (batched, left padding) or a vLLM engine.
+    Generate `num_samples` completions per prompt, with `model.generate` (batched, left padding) or vLLM.
 
     Prompts are tokenized as [`TOPRTrainer`] tokenizes them (the chat template with a generation prompt for messages),
     so the model samples in the context it is trained in. `temperature=0` decodes greedily. Under several processes
@@ -192,7 +181,7 @@ def generate_completions(
 
     Args:
         model ([`~transformers.PreTrainedModel`]):
-            Causal LM (unused with `vllm_engine`).
+            Causal LM (its generation config still gives the end-of-sequence tokens with `vllm_generation`).
         processing_class ([`~transformers.PreTrainedTokenizerBase`]):
             Its tokenizer.
         prompts (`list`):
@@ -210,10 +199,10 @@ def generate_completions(
         batch_size (`int`, *optional*, defaults to `16`):
             Prompts per `generate` call (each yields `num_samples` sequences).
         seed (`int`, *optional*):
-            Seed of a vLLM engine's sampling (transformers uses the global seed: call `set_seed` first).
-        vllm_engine (`vllm.LLM`, *optional*):
-            Generate with this vLLM engine (`pip install trl-topr[vllm]`, GPU) instead of transformers. It must hold
-            the same weights as `model`.
+            Seed of vLLM's sampling (transformers uses the global seed: call `set_seed` first).
+        vllm_generation ([`~trl_topr.vllm.TOPRVLLMGeneration`], *optional*):
+            Generate with this vLLM sampler (colocated engine or server) instead of transformers. It must hold the
+            same weights as `model`.
         progress (`bool`, *optional*, defaults to `True`):
             Show a progress bar over prompts, with the throughput.
         bf16 (`bool`, *optional*):
@@ -225,13 +214,22 @@ def generate_completions(
         for conversational prompts), their token ids up to and including the first end-of-sequence token, and the
         generation throughput in tokens/s.
     """
-    state = PartialState()
-    settings = dict(
-        num_samples=num_samples, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
-        batch_size=batch_size, seed=seed, vllm_engine=vllm_engine, bf16=bf16,
+    completions, sequences, _, tokens_per_s = _generate(
+        model, processing_class, prompts, num_samples=num_samples, temperature=temperature, top_p=top_p, top_k=top_k,
+        max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed, vllm_generation=vllm_generation,
+        progress=progress, bf16=bf16,
     )  # fmt: skip
-    if state.num_processes == 1 or vllm_engine is not None:
-        with full_weights(model) if model is not None else contextlib.nullcontext():
+    return completions, sequences, tokens_per_s
+
+
+def _generate(model, processing_class, prompts, *, num_samples, progress, vllm_generation, **settings):
+    # `generate_completions`, with the sampler's log-prob of each completion token (vLLM) or `None` (transformers)
+    state = PartialState()
+    settings.update(num_samples=num_samples, vllm_generation=vllm_generation)
+    # The model's weights are read whole by transformers' generate (gathered once under ZeRO-3), not by vLLM
+    gathered = full_weights(model) if model is not None and vllm_generation is None else contextlib.nullcontext()
+    if state.num_processes == 1:
+        with gathered:
             return _generate_local(model, processing_class, prompts, progress=progress, **settings)
     # Each process generates an equal contiguous share of the prompts, the last shares padded with copies of the last
     # prompt (dropped after gathering): under FSDP2 and ZeRO-3 every forward is a collective, so every process runs
@@ -240,12 +238,16 @@ def generate_completions(
     # and fails for a process that gets no prompt at all.)
     prompts = list(prompts)
     padded = prompts + prompts[-1:] * (-len(prompts) % state.num_processes)
-    with state.split_between_processes(padded) as shard, full_weights(model):
-        completions, sequences, tokens_per_s = _generate_local(
+    if settings.get("seed") is not None:  # vLLM seeds prompt i with seed + i, whatever the number of processes
+        settings["seed"] += state.process_index * (len(padded) // state.num_processes)
+    with state.split_between_processes(padded) as shard, gathered:
+        completions, sequences, logprobs, tokens_per_s = _generate_local(
             model, processing_class, shard, progress=progress and state.is_main_process, **settings
         )
     kept = len(prompts) * num_samples
-    return gather_object(completions)[:kept], gather_object(sequences)[:kept], sum(gather_object([tokens_per_s]))
+    logprobs = None if logprobs is None else gather_object(logprobs)[:kept]
+    return (gather_object(completions)[:kept], gather_object(sequences)[:kept], logprobs,
+            sum(gather_object([tokens_per_s])))  # fmt: skip
 
 
 def end_of_sequence_ids(model: PreTrainedModel | None, processing_class: PreTrainedTokenizerBase) -> set[int]:
@@ -285,13 +287,13 @@ def _prompt_cache_inputs(model: PreTrainedModel, inputs: dict[str, torch.Tensor]
 @torch.no_grad()
 def _generate_local(
     model, processing_class, prompts, *, num_samples, temperature, top_p, top_k, max_new_tokens, batch_size, seed,
-    vllm_engine, progress, bf16,
+    vllm_generation, progress, bf16,
 ):
     tokenizer = getattr(processing_class, "tokenizer", processing_class)
     eos_ids = end_of_sequence_ids(model, processing_class)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     greedy = temperature == 0
-    sequences, start = [], time.perf_counter()
+    sequences, logprobs, start = [], [], time.perf_counter()
     bar = tqdm(total=len(prompts), desc="Sampling", unit="prompt", disable=not progress)
     was_training = model is not None and model.training
     if model is not None:
@@ -299,9 +301,11 @@ def _generate_local(
     for first in range(0, len(prompts), batch_size):
         batch = prompts[first : first + batch_size]
         prompt_ids = [_prompt_ids(processing_class, p) for p in batch]
-        if vllm_engine is not None:
-            kwargs = vllm_sampling_kwargs(num_samples, temperature, top_p, top_k, max_new_tokens, seed)
-            generated = _generate_vllm(vllm_engine, prompt_ids, kwargs)
+        generated_logprobs = None
+        if vllm_generation is not None:
+            kwargs = vllm_sampling_kwargs(num_samples, temperature, top_p, top_k, max_new_tokens,
+                                          None if seed is None else seed + first)  # fmt: skip
+            generated, generated_logprobs = vllm_generation.sample(prompt_ids, kwargs)
         else:
             inputs = tokenizer.pad({"input_ids": prompt_ids}, padding_side="left", return_tensors="pt").to(model.device)
             with autocast(model.device, bf16):
@@ -317,8 +321,15 @@ def _generate_local(
             generated = outputs[:, inputs["input_ids"].size(1) :].tolist()
         if greedy:  # every sample of a prompt is the same greedy completion
             generated = [ids for ids in generated for _ in range(num_samples)]
+            if generated_logprobs is not None:
+                generated_logprobs = [lp for lp in generated_logprobs for _ in range(num_samples)]
         # cut at the first end-of-sequence token (what follows is padding)
-        sequences += [ids[: next((i + 1 for i, t in enumerate(ids) if t in eos_ids), len(ids))] for ids in generated]
+        cut = [next((i + 1 for i, t in enumerate(ids) if t in eos_ids), len(ids)) for ids in generated]
+        sequences += [ids[:end] for ids, end in zip(generated, cut, strict=True)]
+        if generated_logprobs is None:
+            logprobs = None
+        elif logprobs is not None:
+            logprobs += [lp[:end] for lp, end in zip(generated_logprobs, cut, strict=True)]
         bar.update(len(batch))
         bar.set_postfix(tokens_per_s=f"{sum(map(len, sequences)) / (time.perf_counter() - start):.0f}")
     bar.close()
@@ -329,7 +340,7 @@ def _generate_local(
         text = tokenizer.decode(ids, skip_special_tokens=True)
         prompt = prompts[index // num_samples]
         completions.append([{"role": "assistant", "content": text}] if isinstance(prompt, list) else text)
-    return completions, sequences, sum(map(len, sequences)) / max(time.perf_counter() - start, 1e-9)
+    return completions, sequences, logprobs, sum(map(len, sequences)) / max(time.perf_counter() - start, 1e-9)
 
 
 class _SelfScorer(TOPRTrainer):
@@ -368,7 +379,7 @@ def sample_completions(
     seed: int = 0,
     batch_size: int = 16,
     args: TOPRConfig | None = None,
-    vllm_engine=None,
+    vllm_generation=None,
     progress: bool = True,
 ) -> Dataset:
     """
@@ -405,9 +416,10 @@ def sample_completions(
             The configuration the dataset will be trained with: its `max_length`, mixed precision and
             `model_init_kwargs` set how the behavior log-probs are computed. Defaults to a default [`TOPRConfig`].
             The returned columns always have the canonical names.
-        vllm_engine (`vllm.LLM`, *optional*):
-            Generate with this vLLM engine, loaded with the same weights as `model` (`pip install trl-topr[vllm]`);
-            `model` still computes the behavior log-probs, so they match what the trainer computes.
+        vllm_generation ([`~trl_topr.vllm.TOPRVLLMGeneration`], *optional*):
+            Generate with this vLLM sampler, holding the same weights as `model`. Without it, `args.use_vllm` starts
+            one for this call ([`~trl_topr.vllm.vllm_generation_from_config`]). The behavior log-probs come from
+            `args.behavior_logps_source`: recomputed by `model` as the trainer computes them (default), or vLLM's own.
         progress (`bool`, *optional*, defaults to `True`):
             Show a progress bar over prompts.
 
@@ -415,7 +427,8 @@ def sample_completions(
         [`~datasets.Dataset`]: one row per completion with `prompt`, `completion`, `reward`, `behavior_logps` (one
         value per completion token, the whole completion), `prompt_ids` and `completion_ids` (the token ids generated
         from and generated, which training uses exactly: a completion cut at `max_new_tokens` gets no end token), one
-        column per reward function, and the prompt's other columns — the [`TOPRTrainer`] data contract, trainable
+        column per reward function, `sampler_logps` (vLLM's raw log-prob of each completion token, with vLLM only),
+        and the prompt's other columns — the [`TOPRTrainer`] data contract, trainable
         with `args`. An empty completion (the model ended at once) is kept: it is trained on its end-of-sequence
         token, the decision to stop.
 
@@ -433,7 +446,7 @@ def sample_completions(
         # The scoring trainer keeps every completion token (`max_length=None`): the per-token behavior log-probs cover
         # the whole completion, and training truncates them with it, whatever its `max_length`.
         args = dataclasses.replace(
-            args, output_dir=scratch, report_to="none", activation_checkpointing=False, shuffle_dataset=False,
+            args, output_dir=scratch, report_to="none", **{CHECKPOINTING: False}, shuffle_dataset=False,
             precompute_behavior_batch_size=batch_size, push_to_hub=False, prompt_column=PROMPT, max_length=None,
             completion_column=COMPLETION, reward_column=REWARD, behavior_logps_column=BEHAVIOR_LOGPS,
         )  # fmt: skip
@@ -445,11 +458,13 @@ def sample_completions(
         prompts = list(dataset[PROMPT])
         prompt_ids = _checked_prompt_ids(processing_class, prompts, max_length)
 
+        if vllm_generation is None and args.use_vllm:
+            vllm_generation = vllm_generation_from_config(model, processing_class, args)
         set_seed(seed + PartialState().process_index)  # processes sample different shares of the prompts
-        completions, completion_ids, tokens_per_s = generate_completions(
+        completions, completion_ids, sampler_logps, tokens_per_s = _generate(
             model, processing_class, prompts, num_samples=num_samples, temperature=temperature, top_p=top_p,
-            top_k=top_k, max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed, vllm_engine=vllm_engine,
-            progress=progress, bf16=args.bf16,
+            top_k=top_k, max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
+            vllm_generation=vllm_generation, progress=progress, bf16=args.bf16,
         )  # fmt: skip
         logger.info(f"Sampled {len(completions)} completions at {tokens_per_s:.1f} tokens/s.")
         rows = [i for i in range(len(dataset)) for _ in range(num_samples)]
@@ -458,7 +473,7 @@ def sample_completions(
         rewards, per_func = score_completions(
             list(samples[PROMPT]), completions, reward_funcs, reward_weights, completion_ids, **others
         )
-        replaced = (COMPLETION, REWARD, BEHAVIOR_LOGPS, PROMPT_IDS, COMPLETION_IDS)
+        replaced = (COMPLETION, REWARD, BEHAVIOR_LOGPS, PROMPT_IDS, COMPLETION_IDS, SAMPLER_LOGPS)
         samples = samples.remove_columns([c for c in replaced if c in samples.column_names])
         samples = samples.add_column(COMPLETION, completions).add_column(REWARD, rewards)
         # The ids the model generated from and generated: what training trains on, exactly (no text round trip, no
@@ -468,8 +483,43 @@ def sample_completions(
         for name, values in per_func.items():
             samples = samples.remove_columns(name) if name in samples.column_names else samples
             samples = samples.add_column(name, values)
+        if sampler_logps is not None:
+            samples = samples.add_column(SAMPLER_LOGPS, sampler_logps)
+        if args.behavior_logps_source == "sampler":
+            if sampler_logps is None or any(v is None for row in sampler_logps for v in row):
+                raise ValueError("`behavior_logps_source='sampler'` needs vLLM's log-prob of every sampled token.")
+            return samples.add_column(BEHAVIOR_LOGPS, sampler_logps)
         was_training = model.training
         scorer = _SelfScorer(model, args=args, train_dataset=samples, processing_class=processing_class)
         behavior = list(scorer.train_dataset[BEHAVIOR_LOGPS])
         model.train(was_training)
-    return samples.add_column(BEHAVIOR_LOGPS, behavior)
+        samples = samples.add_column(BEHAVIOR_LOGPS, behavior)
+    if sampler_logps is not None:
+        mismatch = behavior_logps_mismatch(samples)
+        logger.info(f"Behavior log-probs, sampler against trainer, per sequence: mean |difference| "
+                    f"{mismatch['behavior_logps_mismatch_mean']:.2e}, max {mismatch['behavior_logps_mismatch_max']:.2e}")
+    return samples
+
+
+def behavior_logps_mismatch(samples: Dataset) -> dict[str, float]:
+    """
+    The training/inference mismatch of sampled completions: per sequence, |log mu_sampler - log mu_trainer|, the
+    summed log-probs of the completion under the sampler (`sampler_logps`, vLLM) and under the trainer's forward
+    (`behavior_logps`), over the tokens both cover.
+
+    Args:
+        samples ([`~datasets.Dataset`]):
+            Output of [`sample_completions`] with vLLM and `behavior_logps_source="trainer"`.
+
+    Returns:
+        `dict[str, float]`: `behavior_logps_mismatch_mean` and `behavior_logps_mismatch_max` (nats per sequence);
+        empty without a `sampler_logps` column.
+    """
+    if SAMPLER_LOGPS not in samples.column_names:
+        return {}
+    differences = []
+    for sampler, trainer in zip(samples[SAMPLER_LOGPS], samples[BEHAVIOR_LOGPS], strict=True):
+        length = min(len(sampler), len(trainer))
+        differences.append(abs(math.fsum(sampler[:length]) - math.fsum(trainer[:length])))
+    return {"behavior_logps_mismatch_mean": sum(differences) / max(len(differences), 1),
+            "behavior_logps_mismatch_max": max(differences, default=0.0)}  # fmt: skip

@@ -20,7 +20,7 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 from trl.trainer.utils import get_config_model_id
 
 from .composition import baseline_for_positive_fraction
-from .config import TOPRConfig
+from .config import CHECKPOINTING, TOPRConfig
 from .data import (
     BEHAVIOR_LOGPS,
     COMPLETION_IDS,
@@ -96,14 +96,14 @@ def record_metrics(accelerator, store: dict[str, list[float]], metrics: dict[str
 def _without_activation_checkpointing(model: torch.nn.Module, checkpointing_kwargs: dict | None):
     # Inference needs no recomputation. (TRL's `disable_gradient_checkpointing` reads the deprecated
     # `is_gradient_checkpointing`.)
-    enabled = getattr(model, "is_activation_checkpointing", False)
+    enabled = getattr(model, f"is_{CHECKPOINTING}", False)
     if enabled:
-        model.activation_checkpointing_disable()
+        getattr(model, f"{CHECKPOINTING}_disable")()
     try:
         yield
     finally:
         if enabled:
-            model.activation_checkpointing_enable(checkpointing_kwargs)
+            getattr(model, f"{CHECKPOINTING}_enable")(checkpointing_kwargs)
 
 
 @contextlib.contextmanager
@@ -393,7 +393,7 @@ class TOPRTrainer(SFTTrainer):
             # ZeRO-3: the whole weights on every process, gathered once rather than layer by layer
             full_weights(self.model, getattr(self, "deepspeed", None)) as model,
             _inference_mode(model),
-            _without_activation_checkpointing(model, self.args.activation_checkpointing_kwargs),
+            _without_activation_checkpointing(model, getattr(self.args, f"{CHECKPOINTING}_kwargs")),
             # the mixed precision training will run in: the model is not wrapped by `accelerator.prepare` yet
             self.accelerator.autocast(),
         ):

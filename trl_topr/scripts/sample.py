@@ -29,12 +29,20 @@ trl-topr sample \
     --output_path samples \
     --num_processes 8
 ```
+# With vLLM (`pip install trl-topr[vllm]`): an engine in each process, or a running server (docs/sampling.md)
+```bash
+trl-topr sample --dataset_name prompts.jsonl --reward_funcs my_rewards.my_reward --output_path samples.jsonl \
+    --use_vllm [--vllm_mode server --vllm_server_port 8000] [--behavior_logps_source sampler]
+```
 An `--output_path` ending in `.jsonl`, `.json` or `.parquet` writes that file; any other path a
 `save_to_disk` folder. Without the launcher: `python -m trl_topr.scripts.sample ...` (same arguments, minus the
 `accelerate launch` ones), or `accelerate launch -m trl_topr.scripts.sample ...`.
 """
 
+import dataclasses
 from dataclasses import dataclass, field
+
+from trl_topr.config import VLLMArguments
 
 from trl_topr.scripts.utils import (
     GenerationArguments,
@@ -79,7 +87,7 @@ class SampleArguments:
     )
 
 
-def main(script_args: SampleArguments, generation_args: GenerationArguments):
+def main(script_args: SampleArguments, generation_args: GenerationArguments, vllm_args: VLLMArguments | None = None):
     """
     Sample, score and save a TOPR dataset with [`~trl_topr.sample_completions`].
 
@@ -88,6 +96,8 @@ def main(script_args: SampleArguments, generation_args: GenerationArguments):
             Reward functions, output path, and `max_length`.
         generation_args ([`~trl_topr.scripts.utils.GenerationArguments`]):
             Model, prompts and sampling settings.
+        vllm_args ([`~trl_topr.config.VLLMArguments`], *optional*):
+            Sampling with vLLM (TRL's `use_vllm`, `vllm_mode`... options) and the behavior log-probs' source.
 
     Returns:
         [`~datasets.Dataset`]: the samples, as written to `script_args.output_path`.
@@ -111,7 +121,7 @@ def main(script_args: SampleArguments, generation_args: GenerationArguments):
         args = TOPRConfig(
             output_dir=scratch, use_cpu=not torch.accelerator.is_available(), report_to="none",
             max_length=script_args.max_length, model_init_kwargs=init_kwargs,
-            trust_remote_code=generation_args.trust_remote_code,
+            trust_remote_code=generation_args.trust_remote_code, **dataclasses.asdict(vllm_args or VLLMArguments()),
         )  # fmt: skip
         samples = sample_completions(
             model, prompts, reward_funcs, processing_class=tokenizer, reward_weights=script_args.reward_weights,
@@ -145,7 +155,7 @@ def make_parser(prog: str | None = None):
     from trl import TrlParser
 
     return TrlParser(
-        (SampleArguments, GenerationArguments),
+        (SampleArguments, GenerationArguments, VLLMArguments),
         prog=prog,
         description="Sample a TOPR dataset: completions, rewards and behavior log-probs.",
     )
@@ -153,5 +163,5 @@ def make_parser(prog: str | None = None):
 
 if __name__ == "__main__":
     parser = make_parser()
-    script_args, generation_args = parser.parse_args_and_config(fail_with_unknown_args=False)
-    main(script_args, generation_args)
+    script_args, generation_args, vllm_args = parser.parse_args_and_config(fail_with_unknown_args=False)
+    main(script_args, generation_args, vllm_args)

