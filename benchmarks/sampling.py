@@ -2,6 +2,7 @@
 
     python benchmarks/sampling.py            # SmolLM2-135M-Instruct, the README's one-shot arithmetic prompts: ~5 min
     python benchmarks/sampling.py --quick    # conftest's tiny Llama: seconds (tests/test_benchmarks.py)
+    python benchmarks/sampling.py --vllm     # adds vLLM beside transformers (in vLLM's environment, docs/sampling.md)
 
 In one process, on the same model, prompts and batches, alternating A and B --reps times (medians reported):
   sampling    A: `generate_completions` (prompt tokenization, left padding, generate, cut at EOS, decode)
@@ -12,6 +13,10 @@ In one process, on the same model, prompts and batches, alternating A and B --re
               head) over those batches, and the weights hash alone (the precompute's cache key, for datasets read
               from files; none here)
 Tokens/s counts generated tokens (sampling) and all tokens of the scored sequences (precompute).
+
+With --vllm, first, alternating too: `generate_completions` with a colocated vLLM engine (`use_vllm=True`) against
+`generate_completions` with transformers, on the same prompts and settings; plus the engine's start-up and its
+per-round weight reload from a saved folder, and the throughput of one loop round's sampling counting both.
 """
 
 import argparse
@@ -95,6 +100,7 @@ def main(argv=None) -> str:
     parser.add_argument("--num_samples", type=int, default=4)
     parser.add_argument("--max_new_tokens", type=int, default=32)
     parser.add_argument("--batch_size", type=int, default=16, help="prompts per generate call / rows per forward")
+    parser.add_argument("--vllm", action="store_true", help="add the vLLM backend (needs vLLM)")
     args = parser.parse_args(argv)
 
     import torch
@@ -113,6 +119,8 @@ def main(argv=None) -> str:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         settings = {"num_samples": args.num_samples, "max_new_tokens": args.max_new_tokens,
                     "batch_size": args.batch_size}
+        if args.vllm:
+            vllm_table = vllm_comparison(model, tokenizer, prompts, work, args, settings)
         times = {"sampler": [], "generate": [], "precompute": [], "forward": []}
         tokens = {}
         for rep in range(args.reps):
@@ -176,6 +184,50 @@ def main(argv=None) -> str:
           f"median of {args.reps} alternating reps; weights hash (the cache key of datasets read from files) {hash_s:.2f} s; tokens per rep: "
           + ", ".join(f"{name} {count}" for name, count in tokens.items()) + "\n")
     print(table)
+    return table if not args.vllm else vllm_table + "\n\n" + table
+
+
+def vllm_comparison(model, tokenizer, prompts, work, args, settings) -> str:
+    """vLLM (colocated, as the loop starts it) against transformers, both through `generate_completions`."""
+    import torch
+
+    from trl_topr import TOPRConfig, generate_completions
+    from trl_topr.vllm import vllm_generation_from_config
+
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
+    config = TOPRConfig(output_dir=str(Path(work) / "vllm"), use_cpu=not torch.cuda.is_available(), bf16=False,
+                        report_to="none", use_vllm=True, vllm_max_model_length=2048)
+    start = time.perf_counter()
+    engine = vllm_generation_from_config(model, tokenizer, config)
+    start_s = time.perf_counter() - start
+    folder = str(Path(work) / "round")
+    model.save_pretrained(folder)
+    times, tokens, reload_s = {"vllm": [], "transformers": []}, {}, []
+    for rep in range(args.reps):
+        for name in (["vllm", "transformers"] if rep % 2 == 0 else ["transformers", "vllm"]):
+            torch.manual_seed(rep)
+            start = time.perf_counter()
+            _, ids, _ = generate_completions(model, tokenizer, prompts, temperature=1.0, top_k=0, progress=False,
+                                             seed=rep, vllm_generation=engine if name == "vllm" else None,
+                                             bf16=False, **settings)  # fmt: skip
+            times[name].append(time.perf_counter() - start)
+            tokens[name] = sum(map(len, ids))
+        start = time.perf_counter()
+        engine.reload_weights(folder)
+        reload_s.append(time.perf_counter() - start)
+    rate = {name: tokens[name] / statistics.median(t) for name, t in times.items()}
+    vllm_round = tokens["vllm"] / (statistics.median(times["vllm"]) + statistics.median(reload_s))
+    header = ["sampling backend", "tokens/s", "ratio to transformers (target >= 2)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+             f"| transformers `generate` | {rate['transformers']:.0f} | 1.00 |",
+             f"| vLLM, colocated | {rate['vllm']:.0f} | {rate['vllm'] / rate['transformers']:.2f} |",
+             f"| vLLM, with the round's weight reload | {vllm_round:.0f} | {vllm_round / rate['transformers']:.2f} |",
+             f"| vLLM, one round with the engine start-up | {tokens['vllm'] / (statistics.median(times['vllm']) + start_s):.0f} | "
+             f"{tokens['vllm'] / (statistics.median(times['vllm']) + start_s) / rate['transformers']:.2f} |"]  # fmt: skip
+    table = "\n".join(lines)
+    print(f"vLLM against transformers, fp32, {len(prompts)} prompts x {args.num_samples} samples, "
+          f"{args.max_new_tokens} new tokens, batch {args.batch_size}, median of {args.reps} alternating reps: "
+          f"engine start-up {start_s:.0f} s, weight reload {statistics.median(reload_s):.2f} s\n\n{table}\n")
     return table
 
 

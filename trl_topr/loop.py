@@ -114,7 +114,9 @@ def run_topr_loop(
             Reward functions with TRL GRPO's signature, see [`sample_completions`].
         args ([`TOPRConfig`]):
             Training configuration of every round; `output_dir` is the loop's folder and each round trains one
-            epoch.
+            epoch. With `use_vllm` (TRL's `vllm_*` options), vLLM samples and evaluates: started once, it reloads each
+            round's saved folder in place, and its log-probs are compared with the trainer's
+            (`behavior_logps_mismatch_*` metrics); see [`~trl_topr.config.VLLMArguments`].
         num_rounds (`int`, *optional*, defaults to `1`):
             Total number of rounds.
         reward_weights (`list[float]`, *optional*):

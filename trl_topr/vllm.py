@@ -68,7 +68,7 @@ class TOPRWorkerExtension:
 class TOPRVLLMGeneration(VLLMGeneration):
     """
     TRL's [`~trl.generation.vllm_generation.VLLMGeneration`] (vLLM colocated or as a server), working on vLLM's CPU
-    build too, with per-call sampling settings ([`sample`]) and weight reloads from a folder ([`reload_weights`]).
+    build too, with per-call sampling settings (`sample`) and weight reloads from a folder (`reload_weights`).
 
     [`TOPRGRPOTrainer`] uses it in place of TRL's class when `use_vllm=True`; [`run_topr_loop`] and
     [`sample_completions`] through [`vllm_generation_from_config`].
@@ -103,7 +103,7 @@ class TOPRVLLMGeneration(VLLMGeneration):
         logprobs_mode: str = "processed_logprobs",
         weight_transfer: bool = True,
         dtype: str | None = None,
-        **kwargs,
+        **kwargs: Any,
     ):
         if not hasattr(accelerator, "state"):  # a PartialState: what TRL's class reads of an Accelerator
             accelerator = _StateAsAccelerator(accelerator)
