@@ -17,6 +17,16 @@ CHECKPOINTING = (
 )
 
 
+@dataclass
+class _ActivationCheckpointingName:
+    # Before transformers 5.20, `activation_checkpointing` is accepted as the name of `gradient_checkpointing`, so
+    # that one configuration file works with both.
+    if CHECKPOINTING == "gradient_checkpointing":
+        activation_checkpointing: bool | None = field(
+            default=None, metadata={"help": "Activation checkpointing (transformers' `gradient_checkpointing`)."}
+        )
+
+
 def apply_training_defaults(args) -> None:
     """
     The defaults [`TOPRConfig`] and [`~trl_topr.online.TOPRGRPOConfig`] change from TRL's, applied in place before
@@ -29,6 +39,8 @@ def apply_training_defaults(args) -> None:
             The configuration, before its `__post_init__`.
     """
     apply_precision_defaults(args)
+    if CHECKPOINTING == "gradient_checkpointing" and getattr(args, "activation_checkpointing", None) is not None:
+        args.gradient_checkpointing = args.activation_checkpointing
     if getattr(args, "activation_checkpointing", None) is None and args.gradient_checkpointing is None:
         setattr(args, CHECKPOINTING, True)
 
@@ -115,7 +127,7 @@ class VLLMArguments:
 
 
 @dataclass
-class TOPRConfig(VLLMArguments, SFTConfig):
+class TOPRConfig(VLLMArguments, _ActivationCheckpointingName, SFTConfig):
     r"""
     Configuration class for the [`TOPRTrainer`].
 
