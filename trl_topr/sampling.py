@@ -197,7 +197,7 @@ def generate_completions(
         max_new_tokens (`int`, *optional*, defaults to `256`):
             Maximum completion length.
         batch_size (`int`, *optional*, defaults to `16`):
-            Prompts per `generate` call (each yields `num_samples` sequences).
+            Prompts per `generate` call (each yields `num_samples` sequences); vLLM gets every prompt at once.
         seed (`int`, *optional*):
             Seed of vLLM's sampling (transformers uses the global seed: call `set_seed` first).
         vllm_generation ([`~trl_topr.vllm.TOPRVLLMGeneration`], *optional*):
@@ -298,8 +298,10 @@ def _generate_local(
     was_training = model is not None and model.training
     if model is not None:
         model.eval()
-    for first in range(0, len(prompts), batch_size):
-        batch = prompts[first : first + batch_size]
+    # vLLM schedules its own batches: it gets every prompt at once
+    step = max(len(prompts), 1) if vllm_generation is not None else batch_size
+    for first in range(0, len(prompts), step):
+        batch = prompts[first : first + step]
         prompt_ids = [_prompt_ids(processing_class, p) for p in batch]
         generated_logprobs = None
         if vllm_generation is not None:
