@@ -122,9 +122,9 @@ class TOPRVLLMGeneration(VLLMGeneration):
                 return super()._init_vllm()
             from trl.generation.vllm_client import VLLMClient
 
-            if self.accelerator.is_main_process:
-                base_url = self.server_base_url or f"http://{self.server_host}:{self.server_port}"
-                self.vllm_client = VLLMClient(base_url=base_url, connection_timeout=self.server_timeout)
+            # every process sends its own share of the prompts; the main one alone asks for reloads
+            base_url = self.server_base_url or f"http://{self.server_host}:{self.server_port}"
+            self.vllm_client = VLLMClient(base_url=base_url, connection_timeout=self.server_timeout)
             self.accelerator.wait_for_everyone()
             return None
         if self.mode != "colocate":
