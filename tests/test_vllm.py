@@ -97,6 +97,8 @@ def test_vllm_samples_train_from_step_zero_with_the_chosen_mu(smollm2, engine, t
     for row in data:
         assert len(row["sampler_logps"]) == len(row["behavior_logps"]) == len(row["completion_ids"])
     differences = [abs(sum(row["sampler_logps"]) - sum(row["behavior_logps"])) for row in data]
+    print(f"\nmu from {source}: |log mu_vLLM - log mu_trainer| per sequence over {len(data)} samples: "
+          f"mean {sum(differences) / len(differences):.1e}, max {max(differences):.1e}")  # docs/sampling.md
     if source == "trainer":
         assert 0 < max(differences) < MU_TOLERANCE  # two computations: close, not identical
     else:
@@ -129,6 +131,8 @@ def check_round_two_sampled_from_round_one(output_dir, start: str, tokenizer):
     rounds = [json.loads(line) for line in open(output_dir / "metrics.jsonl")]
     assert [r["round"] for r in rounds] == [0, 1, 2]
     assert rounds[2]["behavior_logps_mismatch_max"] < MU_TOLERANCE
+    print("\n" + "\n".join(f"round {r['round']}: mismatch per sequence mean {r['behavior_logps_mismatch_mean']:.1e}, "
+                           f"max {r['behavior_logps_mismatch_max']:.1e}" for r in rounds[1:]))  # docs/sampling.md
     # The engine's log-probs of round 2's samples match round 1's model, not the initial one
     samples = Dataset.from_json(str(output_dir / "round-2" / "samples.jsonl"))
     initial = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32)
