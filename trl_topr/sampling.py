@@ -460,7 +460,8 @@ def sample_completions(
         prompts = list(dataset[PROMPT])
         prompt_ids = _checked_prompt_ids(processing_class, prompts, max_length)
 
-        if vllm_generation is None and args.use_vllm:
+        engine_of_this_call = vllm_generation is None and args.use_vllm
+        if engine_of_this_call:
             vllm_generation = vllm_generation_from_config(model, processing_class, args)
         set_seed(seed + PartialState().process_index)  # processes sample different shares of the prompts
         completions, completion_ids, sampler_logps, tokens_per_s = _generate(
@@ -468,6 +469,8 @@ def sample_completions(
             top_k=top_k, max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
             vllm_generation=vllm_generation, progress=progress, bf16=args.bf16,
         )  # fmt: skip
+        if engine_of_this_call:
+            vllm_generation.close()  # its memory back before the trainer's forward
         logger.info(f"Sampled {len(completions)} completions at {tokens_per_s:.1f} tokens/s.")
         rows = [i for i in range(len(dataset)) for _ in range(num_samples)]
         samples = dataset.select(rows)

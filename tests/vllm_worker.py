@@ -1,0 +1,59 @@
+"""Run by `tests/test_vllm.py` under `accelerate launch` (2 CPU processes, one colocated vLLM engine in each): the
+loop for two rounds, or the online trainer for three steps, the results written as JSON by every process. Not a test
+module itself."""
+
+import json
+import sys
+
+import torch
+from accelerate import PartialState
+
+
+def largest_change(saved: str, initial: str) -> float:
+    """The largest change of a weight between two saved models (whole: the trainer saves gathered weights)."""
+    from transformers import AutoModelForCausalLM
+
+    from trl_topr.distributed import unsharded_loading
+
+    with unsharded_loading():  # whole on each process, also under ZeRO-3
+        before, after = (AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+                         for path in (initial, saved))  # fmt: skip
+    return max((after[name] - weight).abs().max().item() for name, weight in before.items())
+
+
+def main(kind: str, engine: str, tests_dir: str, model_path: str, output_dir: str):
+    sys.path.insert(0, tests_dir)
+    if engine == "fsdp2":
+        from sharded_worker import reapply_fsdp_plugin
+
+        reapply_fsdp_plugin()
+    from test_vllm import LOOP, arithmetic, loop_args, online_args
+
+    from trl_topr import TOPRGRPOTrainer, run_topr_loop
+    from trl_topr.rewards import gsm8k_reward
+
+    result = {}
+    if kind == "loop":
+        result["rounds"] = run_topr_loop(model_path, arithmetic(8), gsm8k_reward, loop_args(output_dir),
+                                         eval_prompts=arithmetic(3), **LOOP)  # fmt: skip
+    else:
+        trainer = TOPRGRPOTrainer(model_path, reward_funcs=gsm8k_reward, args=online_args(output_dir),
+                                  train_dataset=arithmetic(8))  # fmt: skip
+        trainer.train()
+        trainer.save_model(f"{output_dir}/final")
+        PartialState().wait_for_everyone()
+        result["moved"] = largest_change(f"{output_dir}/final", model_path)
+        result["steps"] = [h for h in trainer.state.log_history if "sampling/sampling_logp_difference/max" in h]
+        result["deepspeed"] = getattr(trainer, "is_deepspeed_enabled", False)
+        result["fsdp"] = getattr(trainer, "is_fsdp_enabled", False)
+    # the loop has closed its engines by now: the processes keep their group (vLLM's teardown destroys it)
+    result["world"] = [PartialState().num_processes, torch.distributed.get_world_size()]
+    with open(f"{output_dir}/result-rank{PartialState().process_index}.json", "w") as f:
+        json.dump(result, f)
+    PartialState().wait_for_everyone()
+    PartialState().destroy_process_group()
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    main(*sys.argv[1:6])
