@@ -61,7 +61,7 @@ SPLIT_INVARIANT = {
 # Ratios of sums over a subset of the micro-batch: agree only when every process holds as many of that subset.
 RATIO_OF_SUMS = {
     "positive_weight_mean", "negative_weight_mean", "negative_tapered_fraction", "effective_positive_fraction",
-    "entropy",
+    "negative_weight_share", "entropy",
 }
 
 

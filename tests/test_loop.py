@@ -87,7 +87,9 @@ def test_loop_runs_rounds_writes_metrics_and_resumes(tiny_model_path, tmp_path):
                  "train_loss"):
         assert math.isfinite(rounds[1][name]), name
     round_1 = tmp_path / "loop" / "round-1"
-    assert {"model.safetensors", "samples.jsonl", "README.md"} <= set(os.listdir(round_1))
+    assert {"model.safetensors", "samples.jsonl", "README.md", "trainer_state.json"} <= set(os.listdir(round_1))
+    steps = [h for h in json.loads((round_1 / "trainer_state.json").read_text())["log_history"] if "loss" in h]
+    assert len(steps) == 2 and all(0.0 <= h["negative_weight_share"] <= 1.0 for h in steps)  # 7 rows, batch 4
     assert (tmp_path / "loop" / "metrics.png").stat().st_size > 0
     samples = [json.loads(line) for line in (round_1 / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 8 and all("behavior_logps" in s for s in samples)

@@ -110,6 +110,9 @@ def test_topr_literal_values():
     assert metrics["negative_tapered_fraction"].item() == 0.5
     assert metrics["positive_fraction"].item() == pytest.approx(1 / 3)
     assert metrics["effective_positive_fraction"].item() == pytest.approx(1 / 4)  # |A|: 1 vs 1 + 2
+    # weight x |A|: the positive 1 x 1, the negatives 1 x 1 and e^-0.2 x 2
+    share = (1 + 2 * math.exp(-0.2)) / (2 + 2 * math.exp(-0.2))
+    assert metrics["negative_weight_share"].item() == pytest.approx(share)
     assert metrics["log_ratio_min"].item() == pytest.approx(-0.5)
     assert metrics["log_ratio_max"].item() == pytest.approx(1.0)
     assert metrics["completion_length"].item() == pytest.approx(2.0)

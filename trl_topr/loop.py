@@ -98,8 +98,8 @@ def run_topr_loop(
     Iterative TOPR, as in the paper: each round samples with the current model (mu = that model), scores, curates,
     trains one epoch of TOPR on the result, evaluates and saves.
 
-    Everything goes to `args.output_dir`: `round-<r>/` holds the model after round r and its sampled dataset
-    (`samples.jsonl`), `metrics.jsonl` one line per completed round (round 0 evaluates the initial model) and
+    Everything goes to `args.output_dir`: `round-<r>/` holds the model after round r, its sampled dataset
+    (`samples.jsonl`) and its training logs (`trainer_state.json`), `metrics.jsonl` one line per completed round (round 0 evaluates the initial model) and
     `metrics.png` their plot. A round counts as completed once its line is written: started again, the loop resumes
     after the last completed round, redoing an interrupted one from its start. Under `accelerate launch`, every
     process runs the loop: sampling and evaluation are split across the processes, training is data-parallel, and the
@@ -243,6 +243,8 @@ def run_topr_loop(
         logger.info(f"Round {round_index}/{num_rounds}: training one epoch of TOPR on {len(train_data)} completions "
                     f"({positives:.0%} positive)")
         train_loss = trainer.train().training_loss
+        if state.is_main_process:  # the round's training logs (TOPR's metrics per step), as in a Trainer checkpoint
+            trainer.state.save_to_json(str(round_dir / "trainer_state.json"))
         save_for_next_round(trainer, previous, round_dir)
         rewards = list(samples[REWARD])
         record(

@@ -276,6 +276,7 @@ METRIC_SUPPORT = {
     "positive_weight_mean": "count/positive_items",
     "negative_weight_mean": "count/negative_items",
     "negative_tapered_fraction": "count/negative_items",
+    "negative_weight_share": "count/weighted_abs_advantage",
     "log_ratio_mean": "count/items",
     "entropy": "count/tokens",  # logged by the trainers
 }
@@ -339,6 +340,9 @@ def _metrics(rewards, advantages, baseline, weights, log_ratio, mask, lengths, r
         valid, positive_items, negative_items = torch.ones_like(positive), positive, negative
     valid_log_ratio = log_ratio[valid > 0]
     nan = log_ratio.new_tensor(math.nan)
+    # How hard each sequence is pushed: its weight (per token: averaged over the completion) times |R - c|
+    sequence_weights = weights if ratio_level != "token" else (weights * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    push = sequence_weights * advantages.abs()
     return {
         "reward": rewards.float().mean(),
         "positive_fraction": positive.mean(),
@@ -347,6 +351,7 @@ def _metrics(rewards, advantages, baseline, weights, log_ratio, mask, lengths, r
         "positive_weight_mean": _masked_mean(weights, positive_items),
         "negative_weight_mean": _masked_mean(weights, negative_items),
         "negative_tapered_fraction": _masked_mean((weights < 1).to(mask.dtype), negative_items),
+        "negative_weight_share": (push * negative).sum() / push.sum() if push.sum() > 0 else nan,
         "log_ratio_mean": valid_log_ratio.mean() if valid_log_ratio.numel() else nan,
         "log_ratio_min": valid_log_ratio.min() if valid_log_ratio.numel() else nan,
         "log_ratio_max": valid_log_ratio.max() if valid_log_ratio.numel() else nan,
@@ -354,6 +359,7 @@ def _metrics(rewards, advantages, baseline, weights, log_ratio, mask, lengths, r
         # what the means above average over (items are sequences, or tokens for `ratio_level="token"`)
         "count/sequences": lengths.new_tensor(float(lengths.numel())),
         "count/abs_advantage": absolute,
+        "count/weighted_abs_advantage": push.sum(),
         "count/positive_items": positive_items.sum(),
         "count/negative_items": negative_items.sum(),
         "count/items": valid.sum(),
