@@ -55,3 +55,31 @@ def test_precision_benchmark_prints_both_precisions_and_the_choice(capsys):
     assert table in capsys.readouterr().out
     header, _rule, row = table.splitlines()
     assert "bf16/fp32" in header and row.split("|")[-2].strip() in ("bf16", "fp32")
+
+
+def test_iterative_benchmark_resumes_and_gives_every_method_the_same_budget(capsys, tmp_path):
+    iterative = load("iterative")
+    options = ["--scale", "fast", "--quick", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")]
+    iterative.main(options + ["--time_limit", "0"])  # stops after its first run, saved
+    assert "stopped at the time limit" in capsys.readouterr().out
+    first = tmp_path / "work" / "topr" / "lr0.0003" / "seed0"
+    assert (first / "done").exists() and not (tmp_path / "work" / "topr" / "lr0.0003" / "seed1").exists()
+    done_at = (first / "done").stat().st_mtime_ns
+
+    table = iterative.main(options)  # goes on: the first run is not redone
+    assert table in capsys.readouterr().out and (first / "done").stat().st_mtime_ns == done_at
+    header, _rule, *rows = table.split("\n\n")[0].splitlines()
+    assert [row.split("|")[1].strip() for row in rows] == list(iterative.METHODS)
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    budgets = set()
+    for method, entry in results["methods"].items():
+        assert len(entry["runs"]) == iterative.QUICK["seeds"]
+        for run in entry["runs"]:
+            assert [r["round"] for r in run] == list(range(iterative.QUICK["rounds"] + 1))
+            budgets.add(tuple(r["sampled_completions"] for r in run))
+            assert all(0.0 <= r["pass@1_greedy"] <= 1.0 for r in run)
+            if method.startswith("topr"):  # the loop's training logs, per round
+                assert all(0.0 <= r["train/negative_weight_share"] <= 1.0 for r in run[1:])
+    assert budgets == {(0, 32, 64)}  # 8 prompts x 4 samples a round, for the loop and GRPO alike
+    assert (tmp_path / "out" / "iterative.png").stat().st_size > 0
+    assert "negative weight share" in (tmp_path / "out" / "diagnosis.md").read_text()
