@@ -49,8 +49,8 @@ METHODS = {
 }
 SCALES = {
     # prompts: training prompts sampled every round, val / test: held-out prompts, k: samples per held-out prompt
-    "fast": {"prompts": 64, "num_samples": 8, "val": 64, "test": 128, "k": 4, "rounds": 4, "seeds": 3, "batch": 16,
-             "lrs": [1e-4, 3e-4, 1e-3], "max_new_tokens": 12, "bf16": False},
+    "fast": {"prompts": 32, "num_samples": 8, "val": 32, "test": 64, "k": 4, "rounds": 4, "seeds": 3, "batch": 16,
+             "lrs": [3e-5, 1e-4, 3e-4], "max_new_tokens": 12, "bf16": False},
     "real": {"prompts": 48, "num_samples": 4, "val": 32, "test": 48, "k": 2, "rounds": 4, "seeds": 3, "batch": 8,
              "lrs": [1e-5, 3e-5], "max_new_tokens": 48, "bf16": None},  # None: bf16 where the CPU computes it natively
 }

