@@ -1,6 +1,6 @@
 """Iterative training at equal sampling budgets, the paper's regime: sample with the current model, train one epoch,
-repeat. TOPR against positives-only (RFT/STaR), REINFORCE, TOPR with a target positive fraction, TOPR on Anna
-Karenina-curated rounds, and TRL's GRPOTrainer online on the same prompts and reward.
+repeat. TOPR against positives-only (RFT/STaR), REINFORCE, TOPR with a target positive fraction (0.5, 0.8), TOPR on
+Anna Karenina-curated rounds, and TRL's GRPOTrainer online on the same prompts and reward.
 
     python benchmarks/iterative.py --scale fast            # tiny Llama, digit reversal: under 30 minutes on 2 CPU cores
     python benchmarks/iterative.py --scale real            # SmolLM2-135M-Instruct, single-digit arithmetic: hours
@@ -8,7 +8,7 @@ Karenina-curated rounds, and TRL's GRPOTrainer online on the same prompts and re
 
 Every run (method, learning rate, seed) is saved round by round under --work: run the command again to go on where it
 stopped (`--time_limit` stops cleanly after that many minutes). Each method first gets a small learning-rate sweep on
-one seed, scored on a validation split (greedy pass@1 after the last round); its best rate then runs the other seeds.
+one seed, scored on a validation split (sampled pass@1 after the last round); its best rate then runs the other seeds.
 The reported numbers are on a separate test split.
 
 - Loop methods (`run_topr_loop`, one epoch per round, a fresh optimizer each round): each round samples
@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 METHODS = {
     "topr": {"loss_type": "topr"},
     "topr_peff0.5": {"loss_type": "topr", "target_positive_fraction": 0.5},
+    "topr_peff0.8": {"loss_type": "topr", "target_positive_fraction": 0.8},
     "positives_only": {"loss_type": "positives_only"},
     "reinforce": {"loss_type": "reinforce"},
     "topr_anna_karenina": {"loss_type": "topr"},  # and the rounds curated with `anna_karenina`
@@ -49,9 +50,9 @@ METHODS = {
 }
 SCALES = {
     # prompts: training prompts sampled every round, val / test: held-out prompts, k: samples per held-out prompt
-    "fast": {"prompts": 32, "num_samples": 8, "val": 32, "test": 64, "k": 4, "rounds": 4, "seeds": 3, "batch": 16,
-             "lrs": [3e-5, 1e-4, 3e-4], "max_new_tokens": 12, "bf16": False},
-    "real": {"prompts": 48, "num_samples": 4, "val": 32, "test": 48, "k": 2, "rounds": 4, "seeds": 3, "batch": 8,
+    "fast": {"prompts": 64, "num_samples": 8, "val": 64, "test": 128, "k": 4, "rounds": 8, "seeds": 3, "batch": 16,
+             "lrs": [3e-5, 1e-4, 3e-4, 1e-3], "max_new_tokens": 12, "bf16": False},
+    "real": {"prompts": 48, "num_samples": 4, "val": 48, "test": 96, "k": 4, "rounds": 4, "seeds": 3, "batch": 8,
              "lrs": [1e-5, 3e-5], "max_new_tokens": 48, "bf16": None},  # None: bf16 where the CPU computes it natively
 }
 QUICK = {"prompts": 8, "num_samples": 4, "val": 4, "test": 4, "k": 1, "rounds": 2, "seeds": 2, "batch": 8,
@@ -111,23 +112,21 @@ def sampling(setting: dict, seed: int | None = None) -> dict:
 
 # ------------------------------------------------------------------------------------------------------------ the runs
 def run_loop(method: str, setting: dict, lr: float, seed: int, folder: Path, use_vllm: bool) -> None:
-    """Go on with a loop method's run, one round at a time, keeping only the last round's weights on disk."""
-    from trl_topr import TOPRConfig, anna_karenina, read_rounds, run_topr_loop
+    """Go on with a loop method's run (the loop resumes after its last completed round), then delete all but the last
+    round's weights."""
+    from trl_topr import TOPRConfig, anna_karenina, run_topr_loop
 
     args = TOPRConfig(**training_args(setting, folder, lr, seed, use_vllm=use_vllm), **METHODS[method])
-    for target in range(1, setting["rounds"] + 1):
-        if len(read_rounds(str(folder))) > target:  # rounds 0 to `target` done
-            continue
-        run_topr_loop(
-            setting["model"], setting["train"], setting["reward"], args, num_rounds=target,
-            eval_prompts=setting["test"], correct_func=setting["reward"], answer_func=setting["answer"],
-            curate=anna_karenina if method == "topr_anna_karenina" else None,
-            sampling_kwargs={"num_samples": setting["num_samples"], **sampling(setting)},
-            eval_kwargs={"num_samples": setting["k"], **sampling(setting, seed)},
-        )  # fmt: skip
-        for old in folder.glob("round-*/model*.safetensors"):  # the next round starts from the last one only
-            if old.parent.name != f"round-{target}":
-                old.unlink()
+    run_topr_loop(
+        setting["model"], setting["train"], setting["reward"], args, num_rounds=setting["rounds"],
+        eval_prompts=setting["test"], correct_func=setting["reward"], answer_func=setting["answer"],
+        curate=anna_karenina if method == "topr_anna_karenina" else None,
+        sampling_kwargs={"num_samples": setting["num_samples"], **sampling(setting)},
+        eval_kwargs={"num_samples": setting["k"], **sampling(setting, seed)},
+    )  # fmt: skip
+    for old in folder.glob("round-*/model*.safetensors"):
+        if old.parent.name != f"round-{setting['rounds']}":
+            old.unlink()
 
 
 def run_grpo(setting: dict, lr: float, seed: int, folder: Path) -> None:
@@ -139,7 +138,7 @@ def run_grpo(setting: dict, lr: float, seed: int, folder: Path) -> None:
 
     steps_per_round = setting["prompts"] * setting["num_samples"] // setting["batch"]
     metrics_file = folder / "metrics.jsonl"
-    done = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
+    evaluated = len(metrics_file.read_text().splitlines()) if metrics_file.exists() else 0  # rounds 0, 1, ...
 
     def evaluate(model, tokenizer, round_index: int, extra: dict) -> None:
         metrics = evaluate_policy(model, tokenizer, setting["test"], setting["reward"], setting["answer"],
@@ -148,11 +147,11 @@ def run_grpo(setting: dict, lr: float, seed: int, folder: Path) -> None:
             f.write(json.dumps({"round": round_index, **extra, **metrics}) + "\n")
 
     folder.mkdir(parents=True, exist_ok=True)
-    if not done:
-        evaluate(AutoModelForCausalLM.from_pretrained(setting["model"]), AutoTokenizer.from_pretrained(setting["model"]),
-                 0, {})  # fmt: skip
-        done = [{}]
-    for round_index in range(len(done), setting["rounds"] + 1):
+    if not evaluated:  # round 0: the starting model
+        start = setting["model"]
+        evaluate(AutoModelForCausalLM.from_pretrained(start), AutoTokenizer.from_pretrained(start), 0, {})
+        evaluated = 1
+    for round_index in range(evaluated, setting["rounds"] + 1):
         args = GRPOConfig(**training_args(
             setting, folder, lr, seed, max_steps=round_index * steps_per_round, save_strategy="steps",
             save_steps=steps_per_round, save_total_limit=1, num_generations=setting["num_samples"],
@@ -228,7 +227,8 @@ def summarize(results: dict) -> tuple[str, str]:
                 at("train/negative_tapered_fraction"), at("train/log_ratio_mean"), at("train/log_ratio_min"),
             ]) + " |")  # fmt: skip
     seeds = max((len(entry["runs"]) for entry in results["methods"].values()), default=0)
-    note = f"\n\n{seeds} seed(s), test split; r0 = the starting model. lr: the best of the sweep on the validation split."
+    note = (f"\n\n{seeds} seed(s), test split; r0 = the starting model. lr: the best of the sweep on the validation "
+            "split (sampled pass@1).")
     return "\n".join(table) + note, "\n".join(diagnosis)
 
 
@@ -309,7 +309,7 @@ def main(argv=None) -> str:
             if out_of_time():
                 break
             run(lr, 0)
-            sweep[lr] = json.loads((work / method / f"lr{lr:g}" / "seed0" / "done").read_text())["pass@1_greedy"]
+            sweep[lr] = json.loads((work / method / f"lr{lr:g}" / "seed0" / "done").read_text())["pass@1"]
         if len(sweep) < len(setting["lrs"]):
             finished = False
             break
@@ -342,7 +342,8 @@ def main(argv=None) -> str:
 
 
 def validate(setting: dict, method: str, folder: Path, seed: int) -> str:
-    """Greedy pass@1 of a run's final model on the validation split (the learning-rate sweep's score), as JSON."""
+    """Pass@1 of a run's final model on the validation split, as JSON: sampled (`k` samples a prompt, the sweep's
+    score: the expected reward that training maximizes, less noisy than greedy) and greedy."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trl_topr import evaluate_policy
@@ -352,9 +353,9 @@ def validate(setting: dict, method: str, folder: Path, seed: int) -> str:
     else:
         final = folder / f"round-{setting['rounds']}"
     metrics = evaluate_policy(AutoModelForCausalLM.from_pretrained(final), AutoTokenizer.from_pretrained(final),
-                              setting["val"], setting["reward"], setting["answer"], num_samples=1,
+                              setting["val"], setting["reward"], setting["answer"], num_samples=setting["k"],
                               **sampling(setting, seed))  # fmt: skip
-    return json.dumps({"pass@1_greedy": metrics["pass@1_greedy"]})
+    return json.dumps({key: metrics[key] for key in ("pass@1", "pass@1_greedy")})
 
 
 if __name__ == "__main__":
