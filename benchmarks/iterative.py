@@ -7,8 +7,9 @@ Anna Karenina-curated rounds, and TRL's GRPOTrainer online on the same prompts a
     python benchmarks/iterative.py --scale fast --quick    # smoke run (tests/test_benchmarks.py)
 
 Every run (method, learning rate, seed) is saved round by round under --work: run the command again to go on where it
-stopped (`--time_limit` stops cleanly after that many minutes). Each method first gets a small learning-rate sweep on
-one seed, scored on a validation split (sampled pass@1 after the last round); its best rate then runs the other seeds.
+stopped (`--time_limit` stops cleanly after that many minutes). Every method first gets a small learning-rate sweep on
+one seed, scored on a validation split (sampled pass@1 after the last round); then each method's best rate runs the
+other seeds.
 The reported numbers are on a separate test split.
 
 - Loop methods (`run_topr_loop`, one epoch per round, a fresh optimizer each round): each round samples
@@ -201,8 +202,8 @@ def summarize(results: dict) -> tuple[str, str]:
     """Markdown: held-out greedy pass@1 per round (mean ± standard deviation over seeds) with the final sampled pass@1
     and invalid rate; and the diagnosis of the loop methods' training rounds."""
     rounds = results["settings"]["rounds"]
-    header = ["method", "lr", *[f"greedy r{r}" for r in range(rounds + 1)], "sampled", "invalid", "completions",
-              "tokens"]  # fmt: skip
+    header = ["method", "lr", "seeds", *[f"greedy r{r}" for r in range(rounds + 1)], "sampled", "invalid",
+              "completions", "tokens"]  # fmt: skip
     table = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     diagnosis_header = ["method", "round", "positive fraction", "effective positive fraction", "negative weight share",
                         "negative weight mean", "tapered negatives", "log ratio mean", "log ratio min"]  # fmt: skip
@@ -212,7 +213,7 @@ def summarize(results: dict) -> tuple[str, str]:
         if not runs:
             continue
         last = lambda key: mean_std([run[-1].get(key, float("nan")) for run in runs])  # noqa: E731
-        cells = [method, f"{entry['lr']:g}", *[mean_std([run[r]["pass@1_greedy"] for run in runs])
+        cells = [method, f"{entry['lr']:g}", str(len(runs)), *[mean_std([run[r]["pass@1_greedy"] for run in runs])
                                                for r in range(rounds + 1)],
                  last("pass@1"), last("invalid_rate"), str(runs[0][-1]["sampled_completions"]),
                  str(round(statistics.fmean(run[-1]["sampled_tokens"] for run in runs)))]  # fmt: skip
@@ -226,9 +227,8 @@ def summarize(results: dict) -> tuple[str, str]:
                 at("train/negative_weight_share"), at("train/negative_weight_mean"),
                 at("train/negative_tapered_fraction"), at("train/log_ratio_mean"), at("train/log_ratio_min"),
             ]) + " |")  # fmt: skip
-    seeds = max((len(entry["runs"]) for entry in results["methods"].values()), default=0)
-    note = (f"\n\n{seeds} seed(s), test split; r0 = the starting model. lr: the best of the sweep on the validation "
-            "split (sampled pass@1).")
+    note = ("\n\nTest split, mean ± standard deviation over seeds; r0 = the starting model. lr: the best of the sweep "
+            "on the validation split (sampled pass@1).")
     return "\n".join(table) + note, "\n".join(diagnosis)
 
 
@@ -284,45 +284,41 @@ def main(argv=None) -> str:
     t0 = time.perf_counter()
     setting = setup(args.scale, work, args.quick)
     results = {"methods": {}}
-    finished, ran = True, []  # `ran`: the runs this call trained (the time limit stops after at least one)
-    for method in args.methods:
-        def run(lr: float, seed: int) -> list[dict]:
-            folder = work / method / f"lr{lr:g}" / f"seed{seed}"
-            if (folder / "done").exists():
-                return read_run(method, folder)
+    ran = []  # the runs this call trained (the time limit stops after at least one)
+
+    def run(method: str, lr: float, seed: int) -> list[dict]:
+        folder = work / method / f"lr{lr:g}" / f"seed{seed}"
+        if not (folder / "done").exists():
             if method == "grpo":
                 run_grpo(setting, lr, seed, folder)
             else:
                 run_loop(method, setting, lr, seed, folder, args.use_vllm)
             ran.append(folder)
-            rounds = read_run(method, folder)
             (folder / "done").write_text(validate(setting, method, folder, seed))
-            print(f"{method} lr {lr:g} seed {seed}: greedy " + " ".join(f"{r['pass@1_greedy']:.3f}" for r in rounds)
-                  + f" ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
-            return rounds
+            greedy = " ".join(f"{r['pass@1_greedy']:.3f}" for r in read_run(method, folder))
+            elapsed = time.perf_counter() - t0
+            print(f"{method} lr {lr:g} seed {seed}: greedy {greedy} ({elapsed:.0f} s)", file=sys.stderr, flush=True)
+        return read_run(method, folder)
 
-        def out_of_time() -> bool:
-            return args.time_limit is not None and bool(ran) and time.perf_counter() - t0 > 60 * args.time_limit
+    def out_of_time() -> bool:
+        return args.time_limit is not None and bool(ran) and time.perf_counter() - t0 > 60 * args.time_limit
 
-        sweep = {}
-        for lr in setting["lrs"]:  # the sweep, on seed 0
+    # First every method's sweep on seed 0, then the other seeds at each method's best rate: a run stopped halfway
+    # already compares every method on one seed.
+    sweeps = {method: {} for method in args.methods}
+    for method in args.methods:
+        for lr in setting["lrs"]:
             if out_of_time():
                 break
-            run(lr, 0)
-            sweep[lr] = json.loads((work / method / f"lr{lr:g}" / "seed0" / "done").read_text())["pass@1"]
+            run(method, lr, 0)
+            sweeps[method][lr] = json.loads((work / method / f"lr{lr:g}" / "seed0" / "done").read_text())["pass@1"]
+    for method, sweep in sweeps.items():
         if len(sweep) < len(setting["lrs"]):
-            finished = False
-            break
+            continue
         best = max(sweep, key=lambda lr: (sweep[lr], -lr))  # ties: the smaller rate
-        runs = []
-        for seed in range(setting["seeds"]):
-            if out_of_time():
-                break
-            runs.append(run(best, seed))
-        finished &= len(runs) == setting["seeds"]
+        runs = [run(method, best, seed) for seed in range(setting["seeds"]) if seed == 0 or not out_of_time()]
         results["methods"][method] = {"lr": best, "sweep": {f"{lr:g}": v for lr, v in sweep.items()}, "runs": runs}
-        if not finished:
-            break
+    finished = all(len(results["methods"].get(m, {"runs": []})["runs"]) == setting["seeds"] for m in args.methods)
 
     results["title"] = (f"{setting['description']}: {setting['prompts']} prompts x {setting['num_samples']} samples "
                         f"per round, {setting['rounds']} rounds, batch {setting['batch']}")  # fmt: skip
