@@ -54,7 +54,7 @@ SCALES = {
     "fast": {"prompts": 64, "num_samples": 8, "val": 64, "test": 128, "k": 4, "rounds": 8, "seeds": 3, "batch": 16,
              "lrs": [3e-5, 1e-4, 3e-4, 1e-3], "max_new_tokens": 12, "bf16": False},
     "real": {"prompts": 48, "num_samples": 4, "val": 48, "test": 96, "k": 4, "rounds": 4, "seeds": 3, "batch": 8,
-             "lrs": [1e-5, 3e-5], "max_new_tokens": 48, "bf16": None},  # None: bf16 where the CPU computes it natively
+             "lrs": [1e-5, 3e-5, 1e-4], "max_new_tokens": 48, "bf16": None},  # None: bf16 where the CPU computes it natively
 }
 QUICK = {"prompts": 8, "num_samples": 4, "val": 4, "test": 4, "k": 1, "rounds": 2, "seeds": 2, "batch": 8,
          "lrs": [3e-4]}
