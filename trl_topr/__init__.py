@@ -6,13 +6,21 @@ from .composition import baseline_for_positive_fraction, effective_positive_frac
 from .config import TOPRConfig
 from .curation import anna_karenina, baseline_for_target, composition_report, rebalance
 from .data import DataCollatorForTOPR, TOPRDataError
-from .evaluation import evaluate_policy
+from .evaluation import best_of_n, evaluate_policy, weighted_vote
 from .loop import read_rounds, run_topr_loop
 from .loss import topr_loss, topr_weights
 from .online import TOPRGRPOConfig, TOPRGRPOTrainer
-from .rewards import extract_final_answer, gsm8k_invalid, gsm8k_reward
+from .rewards import (
+    extract_final_answer,
+    extract_verdict,
+    gsm8k_invalid,
+    gsm8k_reward,
+    verifier_invalid,
+    verifier_reward,
+)
 from .sampling import generate_completions, sample_completions, score_completions
 from .trainer import TOPRTrainer
+from .verifier import verifier_prompts
 
 
 __all__ = [
@@ -25,10 +33,12 @@ __all__ = [
     "anna_karenina",
     "baseline_for_positive_fraction",
     "baseline_for_target",
+    "best_of_n",
     "composition_report",
     "effective_positive_fraction",
     "evaluate_policy",
     "extract_final_answer",
+    "extract_verdict",
     "generate_completions",
     "gsm8k_invalid",
     "gsm8k_reward",
@@ -39,4 +49,8 @@ __all__ = [
     "score_completions",
     "topr_loss",
     "topr_weights",
+    "verifier_invalid",
+    "verifier_prompts",
+    "verifier_reward",
+    "weighted_vote",
 ]

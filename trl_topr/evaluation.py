@@ -1,7 +1,7 @@
-"""Evaluation of a policy on held-out prompts: pass@1 (greedy and sampled), maj@k, invalid and truncated rates."""
+"""Evaluation of a policy on held-out prompts: pass@1 (greedy and sampled), maj@k, invalid and truncated rates; and
+the votes over sampled answers (majority, verifier-weighted, best-of-n)."""
 
-from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, set_seed
@@ -94,12 +94,9 @@ def evaluate_policy(
     majority_correct = []
     for i in range(len(prompts)):
         group = range(i * num_samples, (i + 1) * num_samples)
-        votes = Counter(sampled_answers[j] for j in group if sampled_answers[j] is not None)
-        if not votes:
-            majority_correct.append(False)
-            continue
-        winner = votes.most_common(1)[0][0]
-        majority_correct.append(next(sampled_correct[j] for j in group if sampled_answers[j] == winner))
+        winner = weighted_vote([sampled_answers[j] for j in group])
+        majority_correct.append(winner is not None and next(sampled_correct[j] for j in group
+                                                            if sampled_answers[j] == winner))  # fmt: skip
 
     eos_ids = end_of_sequence_ids(model, processing_class)
 
@@ -115,3 +112,71 @@ def evaluate_policy(
         "truncated_rate": mean([len(ids) >= max_new_tokens and ids[-1] not in eos_ids for ids in sampled_ids]),
         "mean_length": mean([len(ids) for ids in sampled_ids]),
     }
+
+
+def weighted_vote(answers: Sequence[str | None], weights: Sequence[float] | None = None) -> str | None:
+    """
+    The answer with the largest total weight: a majority vote, or a verifier-weighted vote.
+
+    Args:
+        answers (`Sequence[str | None]`):
+            The final answers of the sampled solutions to one question (`None`: an invalid solution, which gets no
+            vote), e.g. from [`~trl_topr.rewards.extract_final_answer`].
+        weights (`Sequence[float]`, *optional*):
+            One weight per solution, e.g. a verifier's probability that it is correct. Defaults to 1 each: the
+            majority vote (maj@k).
+
+    Returns:
+        `str | None`: the winning answer (ties go to the answer seen first), or `None` when no answer is valid or
+        every valid one weighs 0.
+
+    Example:
+    ```python
+    >>> from trl_topr.evaluation import weighted_vote
+
+    >>> answers = ["18", "16", "16", None, "18", "16"]
+    >>> weighted_vote(answers)
+    '16'
+    >>> weighted_vote(answers, weights=[0.9, 0.1, 0.2, 1.0, 0.8, 0.3])
+    '18'
+
+    ```
+    """
+    if weights is None:
+        weights = [1.0] * len(answers)
+    if len(weights) != len(answers):
+        raise ValueError(f"weighted_vote: {len(answers)} answers but {len(weights)} weights.")
+    totals: dict[str, float] = {}
+    for answer, weight in zip(answers, weights):
+        if answer is not None:
+            totals[answer] = totals.get(answer, 0.0) + weight
+    winner = max(totals, key=totals.get, default=None)  # max keeps the first of equal totals
+    return winner if winner is not None and totals[winner] > 0 else None
+
+
+def best_of_n(answers: Sequence[str | None], scores: Sequence[float]) -> str | None:
+    """
+    The answer of the best-scored valid solution (best-of-n with a verifier or a reward model).
+
+    Args:
+        answers (`Sequence[str | None]`):
+            The final answers of the sampled solutions to one question (`None`: invalid, never chosen).
+        scores (`Sequence[float]`):
+            One score per solution, e.g. a verifier's probability that it is correct.
+
+    Returns:
+        `str | None`: the answer of the highest score (ties go to the first), `None` when no answer is valid.
+
+    Example:
+    ```python
+    >>> from trl_topr.evaluation import best_of_n
+
+    >>> best_of_n(["18", "16", None], scores=[0.4, 0.7, 0.9])
+    '16'
+
+    ```
+    """
+    if len(scores) != len(answers):
+        raise ValueError(f"best_of_n: {len(answers)} answers but {len(scores)} scores.")
+    valid = [(score, -i, answer) for i, (answer, score) in enumerate(zip(answers, scores)) if answer is not None]
+    return max(valid)[2] if valid else None

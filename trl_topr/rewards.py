@@ -1,4 +1,5 @@
-r"""GSM8K correctness reward, as TRL reward functions: `fn(prompts, completions, **columns) -> list[float]`.
+r"""GSM8K correctness reward and generative-verifier verdict reward, as TRL reward functions:
+`fn(prompts, completions, **columns) -> list[float]`.
 
 A completion is correct when its final answer, stated as "The answer is N" (as in the TOPR paper), "#### N" or
 "\boxed{N}", equals the gold number. A completion without such a statement is *invalid*: it gets the reward of a wrong
@@ -222,3 +223,118 @@ def gsm8k_invalid(prompts, completions, **kwargs) -> list[float]:
     ```
     """
     return [float(extract_final_answer(completion_text(c)) is None) for c in completions]
+
+
+_VERDICT = re.compile(r"\bverdict\b(?:\W+is\b)?\W*(correct|incorrect)\b", re.IGNORECASE)  # "Verdict: **incorrect**."
+
+
+def extract_verdict(text: str) -> str | None:
+    """
+    Extract a generative verifier's verdict: the last "Verdict: correct" or "Verdict: incorrect" statement.
+
+    The match is case-insensitive and allows punctuation or markdown between "Verdict" and the word ("Verdict -
+    **Correct**"). Without such a statement the verdict is invalid, as the TOPR paper counts unparsable verdicts.
+
+    Args:
+        text (`str`):
+            The verifier's assessment, e.g. a completion of a prompt built by [`~trl_topr.verifier.verifier_prompts`].
+
+    Returns:
+        `str | None`:
+            `"correct"`, `"incorrect"`, or `None` when no verdict is stated.
+
+    Example:
+    ```python
+    >>> from trl_topr.rewards import extract_verdict
+
+    >>> extract_verdict("16 - 3 - 4 = 9 eggs, 9 * 2 = 18 dollars: right. Verdict: Correct.")
+    'correct'
+    >>> extract_verdict("The step 9 * 2 = 16 is wrong. Verdict: **incorrect**")
+    'incorrect'
+    >>> print(extract_verdict("The solution looks correct."))
+    None
+
+    ```
+    """
+    matches = _VERDICT.findall(text)
+    return matches[-1].lower() if matches else None
+
+
+def verifier_reward(prompts, completions, label=None, **kwargs) -> list[float | None]:
+    """
+    Reward function (TRL signature) of a generative verifier: +1.0 when its verdict matches the truth, else -1.0.
+
+    The truth is the `label` column: `True` when the judged solution is correct. An invalid verdict (none stated, see
+    [`extract_verdict`]) is wrong and gets -1.0. A row whose label is `None` gets `None`, which TRL treats as "no
+    reward" for that example.
+
+    Args:
+        prompts (`list`):
+            The prompts (unused, part of the TRL signature).
+        completions (`list[str] | list[list[dict[str, str]]]`):
+            The verifier's assessments, as strings or as lists of messages whose last `"content"` is the assessment.
+        label (`list[bool]`):
+            Whether each judged solution is correct, as [`~trl_topr.verifier.verifier_prompts`] writes it.
+        **kwargs (`Any`):
+            Other dataset columns and trainer arguments; `log_extra`, when given by the trainer, logs the verdicts.
+
+    Returns:
+        `list[float | None]`:
+            One reward per completion: 1.0 or -1.0 (`None` where the label is `None`).
+
+    Example:
+    ```python
+    >>> from trl_topr.rewards import verifier_reward
+
+    >>> verdicts = ["Verdict: correct", "Verdict: incorrect", "Verdict: correct", "It is fine."]
+    >>> verifier_reward(None, verdicts, label=[True, True, False, True])
+    [1.0, -1.0, -1.0, -1.0]
+
+    ```
+    """
+    if label is None:
+        raise ValueError(
+            "verifier_reward needs the truth: the dataset must have a `label` column, True where the judged "
+            "solution is correct (trl_topr.verifier.verifier_prompts writes it)."
+        )
+    verdicts = [extract_verdict(completion_text(c)) for c in completions]
+    rewards = []
+    for verdict, truth in zip(verdicts, label, strict=True):
+        if truth is None:
+            rewards.append(None)
+        else:
+            rewards.append(1.0 if verdict == ("correct" if truth else "incorrect") else -1.0)
+    if kwargs.get("log_extra") is not None:
+        kwargs["log_extra"]("verdict", [v if v is not None else "[invalid]" for v in verdicts])
+    return rewards
+
+
+def verifier_invalid(prompts, completions, **kwargs) -> list[float]:
+    """
+    Invalid-verdict flag (TRL signature): 1.0 when no verdict can be extracted (see [`extract_verdict`]), else 0.0.
+
+    A metric, not a training signal: give it weight 0 after [`verifier_reward`], as [`gsm8k_invalid`] after
+    [`gsm8k_reward`].
+
+    Args:
+        prompts (`list`):
+            The prompts (unused, part of the TRL signature).
+        completions (`list[str] | list[list[dict[str, str]]]`):
+            The verifier's assessments, as strings or as lists of messages.
+        **kwargs (`Any`):
+            Dataset columns and trainer arguments (unused).
+
+    Returns:
+        `list[float]`:
+            One flag per completion.
+
+    Example:
+    ```python
+    >>> from trl_topr.rewards import verifier_invalid
+
+    >>> verifier_invalid(None, ["Verdict: incorrect", "I am not sure."])
+    [0.0, 1.0]
+
+    ```
+    """
+    return [float(extract_verdict(completion_text(c)) is None) for c in completions]
