@@ -151,23 +151,25 @@ def evaluation_table(rounds: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def publish(folder: Path, rounds: list[dict], script_args: GSM8KArguments, training_args: TOPRConfig) -> None:
-    """Add the per-round evaluation and the recipe's settings to the model card, and upload the folder to the Hub."""
+def publish(folder: Path, rounds: list[dict], script_args, training_args: TOPRConfig,
+            title: str = "GSM8K evaluation per round", extra: str = "", commit_message: str = "TOPR on GSM8K") -> None:
+    """Add the per-round evaluation (then `extra`, markdown ending in a blank line) and the recipe's settings to the
+    model card, and upload the folder to the Hub."""
     card = folder / "README.md"
     settings = dict(vars(script_args))
     settings.update({k: getattr(training_args, k) for k in ("loss_type", "ratio_level", "loss_normalization",
                                                             "baseline", "target_positive_fraction", "learning_rate")})
     card.write_text(
         card.read_text()
-        + "\n## GSM8K evaluation per round\n\nRound 0 is the initial model.\n\n" + evaluation_table(rounds)
-        + "\n\n## Recipe settings\n\n```json\n" + json.dumps(settings, indent=2) + "\n```\n"
+        + f"\n## {title}\n\nRound 0 is the initial model.\n\n" + evaluation_table(rounds) + "\n\n" + extra
+        + "## Recipe settings\n\n```json\n" + json.dumps(settings, indent=2) + "\n```\n"
     )
     if not training_args.push_to_hub:
         return
     repo_id = training_args.hub_model_id or Path(training_args.output_dir).name
     api = HfApi(token=training_args.hub_token)
     api.create_repo(repo_id, private=training_args.hub_private_repo, exist_ok=True)
-    api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message="TOPR on GSM8K",
+    api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message=commit_message,
                       ignore_patterns=["samples.jsonl", "checkpoint-*", "adapter/*"])
 
 

@@ -106,6 +106,24 @@ def test_loop_runs_rounds_writes_metrics_and_resumes(tiny_model_path, tmp_path):
     assert read_rounds(str(tmp_path / "loop")) == rounds
 
 
+def test_a_one_sided_round_trains_with_baseline_0_under_a_target_fraction(tiny_model_path, tmp_path):
+    # A round where every sample is wrong (or every one right) cannot meet `target_positive_fraction`: the loop goes
+    # on with baseline 0, as the online trainer does for such a batch, instead of stopping (TOPRTrainer alone raises).
+    def mixed(prompts, completions, **kwargs):
+        return [1.0 if i % 2 else -1.0 for i in range(len(completions))]
+
+    def always_wrong(prompts, completions, **kwargs):
+        return [-1.0] * len(completions)
+
+    options = dict(sampling_kwargs={"num_samples": 2, "max_new_tokens": 4, "progress": False})
+    for name, reward, baseline in (("mixed", mixed, -0.6), ("wrong", always_wrong, 0.0)):
+        args = make_args(tmp_path / name, per_device_train_batch_size=4, max_steps=-1, target_positive_fraction=0.8)
+        rounds = run_topr_loop(tiny_model_path, prompts(2), reward, args, num_rounds=1, **options)
+        logs = json.loads((tmp_path / name / "round-1" / "trainer_state.json").read_text())["log_history"]
+        assert [h["baseline"] for h in logs if "baseline" in h] == [pytest.approx(baseline)], name
+        assert rounds[1]["effective_positive_fraction"] == pytest.approx(0.8 if name == "mixed" else 0.0)
+
+
 def test_evaluation_needs_its_functions(tiny_model_path, tmp_path):
     with pytest.raises(ValueError, match="correct_func"):
         run_topr_loop(tiny_model_path, prompts(2), correct, make_args(tmp_path), eval_prompts=prompts(2))

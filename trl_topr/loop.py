@@ -234,6 +234,12 @@ def run_topr_loop(
         round_args = dataclasses.replace(
             args, output_dir=str(round_dir), num_train_epochs=1, max_steps=-1, model_init_kwargs=None, push_to_hub=False
         )
+        if args.target_positive_fraction is not None and len(set(train_data[REWARD])) < 2:
+            # no baseline changes a one-sided round's composition: train it with baseline 0, as the online trainer
+            # does for such a batch, rather than stop the loop
+            logger.info(f"Round {round_index}/{num_rounds}: every reward is {train_data[REWARD][0]}, so "
+                        "`target_positive_fraction` cannot be met: this round trains with baseline 0")
+            round_args = dataclasses.replace(round_args, target_positive_fraction=None)
         trainer = TOPRTrainer(
             policy, args=round_args, train_dataset=train_data, processing_class=processing_class,
             peft_config=peft_config,

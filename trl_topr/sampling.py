@@ -451,6 +451,7 @@ def sample_completions(
             args, output_dir=scratch, report_to="none", **{CHECKPOINTING: False}, shuffle_dataset=False,
             precompute_behavior_batch_size=batch_size, push_to_hub=False, prompt_column=PROMPT, max_length=None,
             completion_column=COMPLETION, reward_column=REWARD, behavior_logps_column=BEHAVIOR_LOGPS,
+            target_positive_fraction=None,  # scoring needs no baseline (and a one-sided sample has none)
         )  # fmt: skip
         if isinstance(model, str):
             model = create_model_from_path(model, **(args.model_init_kwargs or {}))

