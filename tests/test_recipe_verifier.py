@@ -90,6 +90,8 @@ def test_embedded_round_end_to_end(tiny_model_path, tmp_path, capsys):
     assert json.loads((output_dir / "verifier_results.json").read_text())["votes"] == results["votes"]
     printed = capsys.readouterr().out
     assert "Verifier on the test solutions" in printed and "| best-of-2 |" in printed and "Done in" in printed
+    constant = max(test_pass_at_1, 1 - test_pass_at_1)
+    assert f"always giving the test split's more frequent verdict scores {constant:.3f}" in printed
     card = (output_dir / "round-1" / "README.md").read_text()
     assert "Verifier evaluation per round" in card and "What the verifier does for answers" in card
 
