@@ -58,6 +58,7 @@ from trl_topr import (  # noqa: E402
     weighted_vote,
 )
 from trl_topr.data import completion_text  # noqa: E402
+from trl_topr.distributed import unsharded_loading  # noqa: E402
 from trl_topr.embedded import smollm2_path  # noqa: E402
 from trl_topr.precision import device_type  # noqa: E402
 from trl_topr.rewards import answers_match, gold_answer  # noqa: E402
@@ -105,7 +106,8 @@ def sample_solutions(generator: str, problems: list[dict], shots: list[dict], sc
     """The generator's solutions to the problems, `num_solutions` each, with their answer and correctness: rows
     `question`, `answer` (gold), `solution`, `predicted`, `correct`, `question_index`."""
     prompts = few_shot_prompts(problems, shots)
-    model = create_model_from_path(generator, **(training_args.model_init_kwargs or {}))
+    with unsharded_loading():  # whole on every process (ZeRO-3 with zero3_init_flag would partition it)
+        model = create_model_from_path(generator, **(training_args.model_init_kwargs or {}))
     completions, _, _ = generate_completions(
         model, AutoTokenizer.from_pretrained(generator), list(prompts["prompt"]), num_samples=script_args.num_solutions,
         temperature=script_args.temperature, top_p=script_args.top_p, top_k=script_args.top_k,
@@ -126,7 +128,8 @@ def sample_solutions(generator: str, problems: list[dict], shots: list[dict], sc
 def verifier_scores(model_path: str, prompts: Dataset, script_args: VerifierArguments, training_args: TOPRConfig,
                     processing_class) -> list[float]:
     """Each solution's verifier score: the share of `eval_num_verdicts` sampled verdicts that say "correct"."""
-    model = create_model_from_path(model_path, **(training_args.model_init_kwargs or {}))
+    with unsharded_loading():
+        model = create_model_from_path(model_path, **(training_args.model_init_kwargs or {}))
     k = script_args.eval_num_verdicts
     verdicts, _, _ = generate_completions(
         model, processing_class, list(prompts["prompt"]), num_samples=k, temperature=script_args.temperature,

@@ -138,14 +138,18 @@ WORKER = textwrap.dedent(
 )
 
 
-def test_recipe_under_accelerate_launch_with_two_processes(tiny_model_path, tmp_path):
+@pytest.mark.parametrize("engine", ["ddp", "zero3", "fsdp2"])
+def test_recipe_under_accelerate_launch_with_two_processes(engine, tiny_model_path, tmp_path):
+    # the shipped configurations on 2 CPU processes: the recipe's own generation (solutions, scores) loads whole
+    # models next to the training engine
+    from test_sharded import accelerate_config
+
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(recipes=str(RECIPES), tests=str(Path(__file__).parent)))
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               str(script), tiny_model_path, str(tmp_path / "out")]  # fmt: skip
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(accelerate_config(engine, tmp_path)), str(script), tiny_model_path, str(tmp_path / "out")]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu"})  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     votes = [line.split(" votes ")[1] for line in result.stdout.splitlines() if line.startswith("rank ")]
     assert len(votes) == 2 and votes[0] == votes[1]  # both processes hold every solution and every score
