@@ -63,6 +63,7 @@ from trl_topr.embedded import smollm2_path  # noqa: E402
 from trl_topr.precision import device_type  # noqa: E402
 from trl_topr.rewards import answers_match, gold_answer  # noqa: E402
 from trl_topr.trainer import base_model_name  # noqa: E402
+from trl_topr.vllm import vllm_generation_from_config  # noqa: E402
 
 
 SOLUTIONS_FILE = "solutions.json"
@@ -79,7 +80,7 @@ class VerifierArguments:
                   "choices": ["gsm8k", "arithmetic"]},
     )
     dataset_path: str | None = field(
-        default=None, metadata={"help": "Folder with GSM8K train.jsonl and test.jsonl; default: the Hub's openai/gsm8k."}
+        default=None, metadata={"help": "Folder with GSM8K train.jsonl and test.jsonl; default: openai/gsm8k."}
     )
     generator_model_name_or_path: str | None = field(
         default=None, metadata={"help": "The model whose solutions are judged (default: the verifier's start)."}
@@ -101,43 +102,66 @@ class VerifierArguments:
     sampling_batch_size: int = field(default=16, metadata={"help": "Prompts per generation batch."})
 
 
-def sample_solutions(generator: str, problems: list[dict], shots: list[dict], script_args: VerifierArguments,
-                     training_args: TOPRConfig, seed: int) -> list[dict]:
-    """The generator's solutions to the problems, `num_solutions` each, with their answer and correctness: rows
-    `question`, `answer` (gold), `solution`, `predicted`, `correct`, `question_index`."""
-    prompts = few_shot_prompts(problems, shots)
-    with unsharded_loading():  # whole on every process (ZeRO-3 with zero3_init_flag would partition it)
-        model = create_model_from_path(generator, **(training_args.model_init_kwargs or {}))
-    completions, _, _ = generate_completions(
-        model, AutoTokenizer.from_pretrained(generator), list(prompts["prompt"]), num_samples=script_args.num_solutions,
-        temperature=script_args.temperature, top_p=script_args.top_p, top_k=script_args.top_k,
-        max_new_tokens=script_args.solution_max_new_tokens, batch_size=script_args.sampling_batch_size, seed=seed,
-        bf16=training_args.bf16,
-    )  # fmt: skip
-    golds = [p["answer"] for p in problems for _ in range(script_args.num_solutions)]
+def generate(model_paths: list[str], prompts: list, num_samples: int, max_new_tokens: int, seed: int,
+             script_args: VerifierArguments, training_args: TOPRConfig) -> list[list]:
+    """Sampled completions of the same prompts by each model in turn (models sharing a tokenizer), with vLLM under
+    `use_vllm` (one engine, its weights reloaded from each next model's folder, closed at the end) or transformers.
+    Every process generates a share and gets all of them."""
+    processing_class = AutoTokenizer.from_pretrained(model_paths[0])
+    vllm_generation, outputs = None, []
+    try:
+        for path in model_paths:
+            with unsharded_loading():  # whole on every process (ZeRO-3 with zero3_init_flag would partition it)
+                model = create_model_from_path(path, **(training_args.model_init_kwargs or {}))
+            if vllm_generation is None:
+                vllm_generation = vllm_generation_from_config(model, processing_class, training_args)
+            else:
+                vllm_generation.reload_weights(path)
+            completions, _, _ = generate_completions(
+                model, processing_class, prompts, num_samples=num_samples, temperature=script_args.temperature,
+                top_p=script_args.top_p, top_k=script_args.top_k, max_new_tokens=max_new_tokens,
+                batch_size=script_args.sampling_batch_size, seed=seed, bf16=training_args.bf16,
+                vllm_generation=vllm_generation,
+            )  # fmt: skip
+            outputs.append(completions)
+    finally:
+        if vllm_generation is not None:
+            vllm_generation.close()  # its memory back before the next engine starts
+    return outputs
+
+
+def sample_solutions(generator: str, problems: dict[str, list[dict]], shots: list[dict],
+                     script_args: VerifierArguments, training_args: TOPRConfig) -> dict[str, list[dict]]:
+    """The generator's solutions to each split's problems, `num_solutions` each, with their answer and correctness:
+    rows `question`, `answer` (gold), `solution`, `predicted`, `correct`, `question_index`."""
+    n = script_args.num_solutions
+    everything = [problem for split in problems.values() for problem in split]
+    (completions,) = generate([generator], list(few_shot_prompts(everything, shots)["prompt"]), n,
+                              script_args.solution_max_new_tokens, training_args.seed, script_args, training_args)
+    golds = [problem["answer"] for problem in everything for _ in range(n)]
     rewards = gsm8k_reward(None, completions, answer=golds)
     rows = []
     for i, (completion, gold, reward) in enumerate(zip(completions, golds, rewards)):
         text = completion_text(completion)
-        question = problems[i // script_args.num_solutions]["question"]
-        rows.append({"question": question, "answer": gold, "solution": text, "predicted": extract_final_answer(text),
-                     "correct": reward > 0, "question_index": i // script_args.num_solutions})  # fmt: skip
-    return rows
+        rows.append({"question": everything[i // n]["question"], "answer": gold, "solution": text,
+                     "predicted": extract_final_answer(text), "correct": reward > 0, "question_index": i // n})
+    solutions, start = {}, 0
+    for split, split_problems in problems.items():
+        solutions[split] = rows[start * n : (start + len(split_problems)) * n]
+        start += len(split_problems)
+    return solutions
 
 
-def verifier_scores(model_path: str, prompts: Dataset, script_args: VerifierArguments, training_args: TOPRConfig,
-                    processing_class) -> list[float]:
-    """Each solution's verifier score: the share of `eval_num_verdicts` sampled verdicts that say "correct"."""
-    with unsharded_loading():
-        model = create_model_from_path(model_path, **(training_args.model_init_kwargs or {}))
+def verifier_scores(model_paths: list[str], prompts: Dataset, script_args: VerifierArguments,
+                    training_args: TOPRConfig) -> list[list[float]]:
+    """Each solution's score by each verifier: the share of `eval_num_verdicts` sampled verdicts that say "correct"."""
     k = script_args.eval_num_verdicts
-    verdicts, _, _ = generate_completions(
-        model, processing_class, list(prompts["prompt"]), num_samples=k, temperature=script_args.temperature,
-        top_p=script_args.top_p, top_k=script_args.top_k, max_new_tokens=script_args.verdict_max_new_tokens,
-        batch_size=script_args.sampling_batch_size, seed=training_args.seed, bf16=training_args.bf16,
-    )  # fmt: skip
-    said_correct = [extract_verdict(completion_text(v)) == "correct" for v in verdicts]
-    return [sum(said_correct[i * k : (i + 1) * k]) / k for i in range(len(prompts))]
+    scores = []
+    for verdicts in generate(model_paths, list(prompts["prompt"]), k, script_args.verdict_max_new_tokens,
+                             training_args.seed, script_args, training_args):  # fmt: skip
+        said_correct = [extract_verdict(completion_text(v)) == "correct" for v in verdicts]
+        scores.append([sum(said_correct[i * k : (i + 1) * k]) / k for i in range(len(prompts))])
+    return scores
 
 
 def vote_accuracies(rows: list[dict], scores: list[float]) -> dict[str, float]:
@@ -182,10 +206,8 @@ def main(script_args: VerifierArguments, training_args: TOPRConfig, model_args: 
     if solutions_file.exists():  # a run started again: the same solutions, not new ones
         solutions = json.loads(solutions_file.read_text())
     else:  # every process generates a share and gets all of them
-        solutions = {"train": sample_solutions(generator, train_problems, shots, script_args, training_args,
-                                               training_args.seed),
-                     "test": sample_solutions(generator, test_problems, shots, script_args, training_args,
-                                              training_args.seed + 1)}  # fmt: skip
+        solutions = sample_solutions(generator, {"train": train_problems, "test": test_problems}, shots, script_args,
+                                     training_args)  # fmt: skip
         if PartialState().is_main_process:
             output_dir.mkdir(parents=True, exist_ok=True)
             solutions_file.write_text(json.dumps(solutions))
@@ -205,9 +227,8 @@ def main(script_args: VerifierArguments, training_args: TOPRConfig, model_args: 
         eval_kwargs={"num_samples": script_args.eval_num_verdicts, "seed": training_args.seed, **sampling},
     )  # fmt: skip
     final = output_dir / f"round-{rounds[-1]['round']}"
-    votes = {when: vote_accuracies(solutions["test"], verifier_scores(path, test_prompts, script_args, training_args,
-                                                                      processing_class))
-             for when, path in (("before", model), ("after", str(final)))}  # fmt: skip
+    before, after = verifier_scores([model, str(final)], test_prompts, script_args, training_args)
+    votes = {"before": vote_accuracies(solutions["test"], before), "after": vote_accuracies(solutions["test"], after)}
     results = {"rounds": rounds, "votes": votes,
                "labels": {split: sum(r["correct"] for r in rows) / len(rows) for split, rows in solutions.items()}}
     if PartialState().is_main_process:

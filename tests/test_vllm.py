@@ -230,3 +230,28 @@ def test_online_trainer_with_colocated_vllm_syncs_weights_every_step(smollm2, tm
     # stays at the precision floor (a stale engine is off by the update)
     assert all(h["sampling/sampling_logp_difference/max"] < 1e-3 for h in steps)
 
+
+
+def test_verifier_recipe_with_vllm_starts_one_engine_per_stage(smollm2, tmp_path, caplog):
+    # recipes/verifier.py under `use_vllm`: the solutions, the loop and the before/after scores each sample with one
+    # engine (the scores' engine reloaded with the trained verifier), closed before the next one starts
+    import logging
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "recipes"))
+    import verifier
+
+    path, _ = smollm2
+    script_args, training_args, model_args = verifier.make_parser().parse_args_and_config([
+        "--config", os.path.join(os.path.dirname(__file__), "..", "recipes", "configs", "verifier_embedded_cpu.yaml"),
+        "--model_name_or_path", path, "--output_dir", str(tmp_path / "out"), "--num_train_questions", "2",
+        "--num_eval_questions", "2", "--num_solutions", "2", "--num_rounds", "1", "--num_verdicts", "2",
+        "--eval_num_verdicts", "2", "--solution_max_new_tokens", "16", "--verdict_max_new_tokens", "16",
+        "--bf16", "false", "--use_vllm", "true", "--vllm_max_model_length", "1024",
+    ])  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="trl_topr"):
+        results = verifier.main(script_args, training_args, model_args)
+    assert sum("Starting vLLM" in record.getMessage() for record in caplog.records) == 3
+    samples = [json.loads(line) for line in (tmp_path / "out" / "round-1" / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 2 * 2 * 2 and all("sampler_logps" in s for s in samples)  # the loop sampled with vLLM
+    assert [r["round"] for r in results["rounds"]] == [0, 1]
+    assert set(results["votes"]) == {"before", "after"}
