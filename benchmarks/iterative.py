@@ -54,7 +54,7 @@ SCALES = {
     "fast": {"prompts": 64, "num_samples": 8, "val": 64, "test": 128, "k": 4, "rounds": 8, "seeds": 3, "batch": 16,
              "lrs": [3e-5, 1e-4, 3e-4, 1e-3], "max_new_tokens": 12, "bf16": False},
     "real": {"prompts": 48, "num_samples": 4, "val": 48, "test": 96, "k": 4, "rounds": 4, "seeds": 3, "batch": 8,
-             "lrs": [1e-5, 3e-5, 1e-4], "max_new_tokens": 48, "bf16": None},  # None: bf16 where the CPU computes it natively
+             "lrs": [1e-5, 3e-5, 1e-4], "max_new_tokens": 48, "bf16": None},  # None: bf16 where the CPU has it natively
 }
 QUICK = {"prompts": 8, "num_samples": 4, "val": 4, "test": 4, "k": 1, "rounds": 2, "seeds": 2, "batch": 8,
          "lrs": [3e-4]}
@@ -227,8 +227,8 @@ def summarize(results: dict) -> tuple[str, str]:
                 at("train/negative_weight_share"), at("train/negative_weight_mean"),
                 at("train/negative_tapered_fraction"), at("train/log_ratio_mean"), at("train/log_ratio_min"),
             ]) + " |")  # fmt: skip
-    note = ("\n\nTest split, mean ± standard deviation over seeds; r0 = the starting model. lr: the best of the sweep "
-            "on the validation split (sampled pass@1).")
+    note = ("\n\nTest split, mean ± standard deviation over seeds; r0 = the starting model. lr: the best of the "
+            "sweep on the validation split (sampled pass@1).")
     return "\n".join(table) + note, "\n".join(diagnosis)
 
 
@@ -269,6 +269,7 @@ def main(argv=None) -> str:
     parser.add_argument("--work", help="runs, resumable (default: outputs/iterative-<scale>[-quick])")
     parser.add_argument("--out", help="results (default: benchmarks/results/iterative-<scale>[-quick])")
     parser.add_argument("--time_limit", type=float, help="minutes: stop after the run that crosses it")
+    parser.add_argument("--report_only", action="store_true", help="write the finished runs' results, train nothing")
     parser.add_argument("--use_vllm", action=argparse.BooleanOptionalAction, default=None,
                         help="sample the loop methods with vLLM (default: at the real scale, where vLLM is installed)")
     args = parser.parse_args(argv)
@@ -289,26 +290,32 @@ def main(argv=None) -> str:
     def run(method: str, lr: float, seed: int) -> list[dict]:
         folder = work / method / f"lr{lr:g}" / f"seed{seed}"
         if not (folder / "done").exists():
+            started = time.perf_counter()
             if method == "grpo":
                 run_grpo(setting, lr, seed, folder)
             else:
                 run_loop(method, setting, lr, seed, folder, args.use_vllm)
             ran.append(folder)
-            (folder / "done").write_text(validate(setting, method, folder, seed))
+            scores = validate(setting, method, folder, seed)  # the run's seconds: its cost, whatever the pieces
+            (folder / "done").write_text(json.dumps({**scores, "seconds": round(time.perf_counter() - started)}))
             greedy = " ".join(f"{r['pass@1_greedy']:.3f}" for r in read_run(method, folder))
             elapsed = time.perf_counter() - t0
             print(f"{method} lr {lr:g} seed {seed}: greedy {greedy} ({elapsed:.0f} s)", file=sys.stderr, flush=True)
         return read_run(method, folder)
 
-    def out_of_time() -> bool:
-        return args.time_limit is not None and bool(ran) and time.perf_counter() - t0 > 60 * args.time_limit
+    def available(method: str, lr: float, seed: int) -> bool:  # done, or time (and leave) to run it
+        if (work / method / f"lr{lr:g}" / f"seed{seed}" / "done").exists():
+            return True
+        if args.report_only:
+            return False
+        return args.time_limit is None or not ran or time.perf_counter() - t0 <= 60 * args.time_limit
 
     # First every method's sweep on seed 0, then the other seeds at each method's best rate: a run stopped halfway
     # already compares every method on one seed.
     sweeps = {method: {} for method in args.methods}
     for method in args.methods:
         for lr in setting["lrs"]:
-            if out_of_time():
+            if not available(method, lr, 0):
                 break
             run(method, lr, 0)
             sweeps[method][lr] = json.loads((work / method / f"lr{lr:g}" / "seed0" / "done").read_text())["pass@1"]
@@ -316,7 +323,7 @@ def main(argv=None) -> str:
         if len(sweep) < len(setting["lrs"]):
             continue
         best = max(sweep, key=lambda lr: (sweep[lr], -lr))  # ties: the smaller rate
-        runs = [run(method, best, seed) for seed in range(setting["seeds"]) if seed == 0 or not out_of_time()]
+        runs = [run(method, best, seed) for seed in range(setting["seeds"]) if available(method, best, seed)]
         results["methods"][method] = {"lr": best, "sweep": {f"{lr:g}": v for lr, v in sweep.items()}, "runs": runs}
     finished = all(len(results["methods"].get(m, {"runs": []})["runs"]) == setting["seeds"] for m in args.methods)
 
@@ -337,8 +344,8 @@ def main(argv=None) -> str:
     return table
 
 
-def validate(setting: dict, method: str, folder: Path, seed: int) -> str:
-    """Pass@1 of a run's final model on the validation split, as JSON: sampled (`k` samples a prompt, the sweep's
+def validate(setting: dict, method: str, folder: Path, seed: int) -> dict:
+    """Pass@1 of a run's final model on the validation split: sampled (`k` samples a prompt, the sweep's
     score: the expected reward that training maximizes, less noisy than greedy) and greedy."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -351,7 +358,7 @@ def validate(setting: dict, method: str, folder: Path, seed: int) -> str:
     metrics = evaluate_policy(AutoModelForCausalLM.from_pretrained(final), AutoTokenizer.from_pretrained(final),
                               setting["val"], setting["reward"], setting["answer"], num_samples=setting["k"],
                               **sampling(setting, seed))  # fmt: skip
-    return json.dumps({key: metrics[key] for key in ("pass@1", "pass@1_greedy")})
+    return {key: metrics[key] for key in ("pass@1", "pass@1_greedy")}
 
 
 if __name__ == "__main__":

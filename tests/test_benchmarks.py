@@ -3,6 +3,7 @@ learning are measured by the benchmarks themselves, side by side, never by timed
 
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -83,3 +84,10 @@ def test_iterative_benchmark_resumes_and_gives_every_method_the_same_budget(caps
     assert budgets == {(0, 32, 64)}  # 8 prompts x 4 samples a round, for the loop and GRPO alike
     assert (tmp_path / "out" / "iterative.png").stat().st_size > 0
     assert "negative weight share" in (tmp_path / "out" / "diagnosis.md").read_text()
+    assert json.loads((first / "done").read_text())["seconds"] >= 0
+
+    # --report_only: the finished runs' results again, nothing trained (a missing method is left out)
+    shutil.rmtree(tmp_path / "work" / "grpo")
+    partial = iterative.main(options + ["--report_only"])
+    assert partial.split("\n\n")[0].splitlines()[2:] == table.split("\n\n")[0].splitlines()[2:-1]
+    assert not (tmp_path / "work" / "grpo").exists()
