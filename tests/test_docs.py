@@ -41,3 +41,7 @@ def test_ci_runs_both_of_readme_commands_verbatim():
     ci = (root / ".ci" / "run").read_text()
     for command in commands:
         assert command in ci, command
+    # Under `set -e`, a failure inside an `a && b && c` list does not stop the script: the test command's line must
+    # end the script itself when it fails, or CI would go on to report success.
+    (line,) = [line for line in ci.splitlines() if commands[1] in line]
+    assert line.rstrip().endswith("|| exit 1"), line

@@ -248,13 +248,13 @@ def test_vllm_engine_on_gpu(tiny_model_path, tmp_path):
 def test_shared_prompt_cache_generates_what_plain_generation_does(model_and_tokenizer):
     # Each prompt's key/values are computed once for its copies: greedy decoding from the shared cache and from
     # copies of the prompts give the same tokens, prompts of different lengths (left padding) included.
-    from trl_topr.sampling import _prompt_cache_inputs
+    from trl_topr.sampling import _cache_argument, _prompt_cache_inputs
 
     model, tokenizer = model_and_tokenizer
     ids = [tokenizer(text)["input_ids"] for text in ("What is 2 + 3?", "Tell me a story about a cat and a dog.")]
     inputs = dict(tokenizer.pad({"input_ids": ids}, padding_side="left", return_tensors="pt"))
     settings = dict(do_sample=False, max_new_tokens=8, pad_token_id=tokenizer.pad_token_id)
     cached = _prompt_cache_inputs(model, inputs, 3)
-    assert "past_key_values" in cached and cached["input_ids"].size(0) == 6
+    assert _cache_argument(model) in cached and cached["input_ids"].size(0) == 6
     plain = model.generate(**{k: v.repeat_interleave(3, dim=0) for k, v in inputs.items()}, **settings)
     torch.testing.assert_close(model.generate(**cached, **settings), plain, rtol=0, atol=0)

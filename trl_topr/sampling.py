@@ -13,6 +13,7 @@ towards the model's own distribution, not the tempered or truncated one.
 
 import contextlib
 import dataclasses
+import inspect
 import math
 import tempfile
 import time
@@ -278,10 +279,18 @@ def _prompt_cache_inputs(model: PreTrainedModel, inputs: dict[str, torch.Tensor]
     if copies == 1 or inputs["input_ids"].size(1) < 2 or not model._supports_default_dynamic_cache():
         return expanded
     cache = DynamicCache(config=model.config)
+    name = _cache_argument(model)
     model(input_ids=inputs["input_ids"][:, :-1], attention_mask=inputs["attention_mask"][:, :-1],
-          past_key_values=cache, use_cache=True)  # fmt: skip
+          **{name: cache}, use_cache=True)  # fmt: skip
     cache.batch_repeat_interleave(copies)
-    return {**expanded, "past_key_values": cache}
+    return {**expanded, name: cache}
+
+
+def _cache_argument(model: PreTrainedModel) -> str:
+    # transformers 5.24 renamed the `past_key_values` argument of `forward` and `generate` to `cache` (the old name
+    # warns until its removal); earlier versions know only the old one
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
 @torch.no_grad()
