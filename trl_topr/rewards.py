@@ -10,6 +10,7 @@ Comparison uses `math_verify` when it is installed (so "72", "72.0" and "\frac{1
 """
 
 import math
+from collections.abc import Callable
 import re
 import threading
 
@@ -182,14 +183,17 @@ def gsm8k_reward(prompts, completions, answer=None, solution=None, **kwargs) -> 
             "'... #### 72') or a `solution` column (the gold number, '72')."
         )
     predicted = [extract_final_answer(completion_text(c)) for c in completions]
-    rewards = []
-    for pred, gold in zip(predicted, golds, strict=True):
-        if gold is None:
-            rewards.append(None)
-        else:
-            rewards.append(1.0 if pred is not None and answers_match(pred, gold_answer(str(gold))) else -1.0)
-    if kwargs.get("log_extra") is not None:
-        kwargs["log_extra"]("extracted_answer", [p if p is not None else "[invalid]" for p in predicted])
+    return _plus_minus_one(predicted, golds, lambda pred, gold: answers_match(pred, gold_answer(str(gold))),
+                           "extracted_answer", kwargs.get("log_extra"))  # fmt: skip
+
+
+def _plus_minus_one(extracted: list, truths: list, is_right: Callable, log_name: str, log_extra) -> list[float | None]:
+    # +1 where the extracted value is right against its truth, -1 where it is wrong or missing (None: invalid),
+    # None where the truth is None; the extracted values logged through the trainer's `log_extra` when given
+    rewards = [None if truth is None else 1.0 if value is not None and is_right(value, truth) else -1.0
+               for value, truth in zip(extracted, truths, strict=True)]  # fmt: skip
+    if log_extra is not None:
+        log_extra(log_name, [value if value is not None else "[invalid]" for value in extracted])
     return rewards
 
 
@@ -298,15 +302,8 @@ def verifier_reward(prompts, completions, label=None, **kwargs) -> list[float | 
             "solution is correct (trl_topr.verifier.verifier_prompts writes it)."
         )
     verdicts = [extract_verdict(completion_text(c)) for c in completions]
-    rewards = []
-    for verdict, truth in zip(verdicts, label, strict=True):
-        if truth is None:
-            rewards.append(None)
-        else:
-            rewards.append(1.0 if verdict == ("correct" if truth else "incorrect") else -1.0)
-    if kwargs.get("log_extra") is not None:
-        kwargs["log_extra"]("verdict", [v if v is not None else "[invalid]" for v in verdicts])
-    return rewards
+    return _plus_minus_one(verdicts, label, lambda verdict, truth: verdict == ("correct" if truth else "incorrect"),
+                           "verdict", kwargs.get("log_extra"))  # fmt: skip
 
 
 def verifier_invalid(prompts, completions, **kwargs) -> list[float]:

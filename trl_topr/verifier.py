@@ -8,17 +8,13 @@ from numbers import Real
 
 from datasets import Dataset
 
-from .data import completion_text
+from .data import _fail, completion_text
 
 
 VERIFIER_INSTRUCTION = (
     "You check solutions to math problems. Read the problem and the proposed solution, assess its reasoning and its "
     "final answer in a few sentences, then end your response with 'Verdict: correct' or 'Verdict: incorrect'."
 )
-
-
-def _fail(column: str, row: int, problem: str) -> ValueError:
-    return ValueError(f"verifier_prompts: column '{column}', row {row}: {problem}")
 
 
 def verifier_prompts(
@@ -54,7 +50,7 @@ def verifier_prompts(
         `question` and `solution` (the texts judged).
 
     Raises:
-        `ValueError`: A column is missing, a question or solution is empty, or a label is neither a bool nor a
+        [`TOPRDataError`]: A column is missing, a question or solution is empty, or a label is neither a bool nor a
             number. The message names the column and the row.
 
     Example:
@@ -77,19 +73,22 @@ def verifier_prompts(
     ```
     """
     rows = list(rows)
+    if not rows:
+        raise ValueError("verifier_prompts: no rows to build prompts from.")
     out = {"prompt": [], "label": [], "question": [], "solution": []}
     for i, row in enumerate(rows):
         for column in (question_column, solution_column, correct_column):
             if column not in row:
-                raise _fail(column, i, f"missing (the row has {sorted(row)}).")
+                raise _fail("verifier_prompts", column, i, f"missing (the row has {sorted(row)}).")
         question, solution, correct = row[question_column], row[solution_column], row[correct_column]
         if isinstance(solution, list) and solution:  # a conversational completion
             solution = completion_text(solution)
         for column, text in ((question_column, question), (solution_column, solution)):
             if not isinstance(text, str) or not text.strip():
-                raise _fail(column, i, f"expected a non-empty string, got {text!r}.")
+                raise _fail("verifier_prompts", column, i, f"expected a non-empty string, got {text!r}.")
         if not isinstance(correct, (bool, Real)) or correct != correct:
-            raise _fail(correct_column, i, f"expected a bool, or a number where > 0 means correct, got {correct!r}.")
+            raise _fail("verifier_prompts", correct_column, i,
+                        f"expected a bool, or a number where > 0 means correct, got {correct!r}.")
         body = f"Problem: {question.strip()}\n\nProposed solution: {solution.strip()}"
         if conversational:
             prompt = [{"role": "system", "content": instruction}, {"role": "user", "content": body}]
@@ -99,6 +98,4 @@ def verifier_prompts(
         out["label"].append(bool(correct > 0))
         out["question"].append(question)
         out["solution"].append(solution)
-    if not rows:
-        raise ValueError("verifier_prompts: no rows to build prompts from.")
     return Dataset.from_dict(out)
