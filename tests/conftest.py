@@ -73,6 +73,14 @@ def tiny_model_path(tmp_path_factory) -> str:
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny-llama")))
 
 
+# Tests of a path that also runs on CUDA: "cuda" runs where a GPU exists (`pytest -m gpu`), "cpu" everywhere.
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                    reason="needs a CUDA GPU")]),
+]
+
+
 def make_args(output_dir, **kwargs) -> TOPRConfig:
     """A fast CPU configuration for tests; keyword arguments override it."""
     defaults = dict(

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import build_tiny_model, conversational_dataset, make_args, standard_dataset
+from conftest import DEVICES, build_tiny_model, conversational_dataset, make_args, standard_dataset
 from datasets import Dataset
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, TrainerCallback
@@ -155,23 +155,48 @@ def test_model_init_kwargs_are_honoured(tiny_model_path, tmp_path):
     assert math.isfinite(first_log(trainer, "loss"))
 
 
-def test_qlora_4bit_trains_on_cpu(tmp_path):
+def nf4_config():
+    # float32 compute, the same on CPU and CUDA: the tolerances below then hold on both.
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_qlora_4bit_trains_and_its_saved_adapter_reloads(tmp_path, device):
     # bitsandbytes quantizes in blocks of 64 input features: the model needs hidden sizes of at least 64.
     model_path = build_tiny_model(str(tmp_path / "model"), hidden_size=64)
-    quantization_config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                             bnb_4bit_compute_dtype=torch.float32)
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"],
                              task_type="CAUSAL_LM")
-    args = make_args(tmp_path, max_steps=3)
+    args = make_args(tmp_path / "out", max_steps=3, learning_rate=1e-2, use_cpu=device == "cpu")
     trainer = TOPRTrainer(model_path, args=args, train_dataset=standard_dataset(),
-                          peft_config=peft_config, quantization_config=quantization_config)
+                          peft_config=peft_config, quantization_config=nf4_config())
     assert trainer.model.get_base_model().is_loaded_in_4bit
+    assert trainer.model.device.type == device
     before = weights(trainer.model)
     trainer.train()
     assert all(math.isfinite(loss) for loss in logged(trainer, "loss"))
     assert first_log(trainer, "log_ratio_mean") == pytest.approx(0.0, abs=1e-4)
     changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(before[n], p)}
     assert changed and all("lora_" in n for n in changed)
+
+    # The saved adapter, on a freshly quantized base, is the trained model.
+    trainer.save_model()
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(tmp_path / "out"))
+    base = AutoModelForCausalLM.from_pretrained(model_path, quantization_config=nf4_config(), device_map=device)
+    reloaded = PeftModel.from_pretrained(base, str(tmp_path / "out")).eval()
+    trained = {n.replace(".default", ""): p for n, p in trainer.model.named_parameters() if "lora_" in n}
+    saved = {n.replace(".default", ""): p for n, p in reloaded.named_parameters() if "lora_" in n}
+    assert set(saved) == set(trained)
+    for name, p in trained.items():
+        torch.testing.assert_close(saved[name].to(p.dtype), p.detach(), rtol=0, atol=0, msg=name)
+    batch = trainer._prepare_inputs(trainer.data_collator([trainer.train_dataset[i] for i in range(4)]))
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    with torch.no_grad():
+        expected = trainer.model.eval()(**inputs).logits.float()
+        error = (reloaded(**inputs).logits.float() - expected).abs().max()
+        with reloaded.disable_adapter():
+            adapter_effect = (reloaded(**inputs).logits.float() - expected).abs().max()
+    # PEFT may compute a bf16-saved adapter in float32: equal up to the adapter's rounding, far below its effect
+    assert error < 1e-2 and adapter_effect > 10 * error, (error.item(), adapter_effect.item())
 
 
 def test_eval_dataset_reports_topr_loss_and_metrics(tiny_model_path, tmp_path):
@@ -242,19 +267,18 @@ def test_dataset_from_files_caches_behavior_logps(tiny_model_path, tmp_path):
     assert list(behavior_files[0]["behavior_logps"]) == list(first.train_dataset["behavior_logps"])
 
 
-def test_qlora_gradients_match_the_dequantized_model(tmp_path):
-    # bitsandbytes' CPU 4-bit backward is not checked upstream: compare the LoRA gradients of one TOPR step with those
-    # of a float model holding the same (dequantized) weights and the same adapter.
+@pytest.mark.parametrize("device", DEVICES)
+def test_qlora_gradients_match_the_dequantized_model(tmp_path, device):
+    # A 4-bit backward (bitsandbytes' CPU one is not checked upstream) against the float model: compare the LoRA
+    # gradients of one TOPR step with those of a float model holding the same (dequantized) weights and adapter.
     import bitsandbytes as bnb
 
     model_path = build_tiny_model(str(tmp_path / "model"), hidden_size=64)
-    quantization_config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                             bnb_4bit_compute_dtype=torch.float32)
     peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM",
                              init_lora_weights=False)  # random B, so every LoRA matrix gets a gradient
-    trainer = TOPRTrainer(model_path, args=make_args(tmp_path / "out"), train_dataset=standard_dataset(),
-                          peft_config=peft_config, quantization_config=quantization_config)
-    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    trainer = TOPRTrainer(model_path, args=make_args(tmp_path / "out", use_cpu=device == "cpu"),
+                          train_dataset=standard_dataset(), peft_config=peft_config, quantization_config=nf4_config())
+    batch = trainer._prepare_inputs(trainer.data_collator([trainer.train_dataset[i] for i in range(4)]))
 
     def lora_gradients(model):
         model.zero_grad()
@@ -271,7 +295,7 @@ def test_qlora_gradients_match_the_dequantized_model(tmp_path):
             state[name.replace(".base_layer", "") + ".weight"] = weight.float()
     missing = dequantized.load_state_dict(state, strict=False).unexpected_keys
     assert not missing and state
-    dequantized = get_peft_model(dequantized, peft_config)
+    dequantized = get_peft_model(dequantized.to(device), peft_config)
     dequantized.load_state_dict({n: p for n, p in trainer.model.state_dict().items() if "lora_" in n}, strict=False)
     add_fused_lm_head(dequantized.get_base_model(), outputs=("log_probs", "entropy", "is_top1"))
     reference = lora_gradients(dequantized)  # the same loss path: the trainer's compute_loss, on the float model
