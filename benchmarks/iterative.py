@@ -8,8 +8,8 @@ Anna Karenina-curated rounds, and TRL's GRPOTrainer online on the same prompts a
 
 Every run (method, learning rate, seed) is saved round by round under --work: run the command again to go on where it
 stopped (`--time_limit` stops cleanly after that many minutes). Every method first gets a small learning-rate sweep on
-one seed, scored on a validation split (sampled pass@1 after the last round); then each method's best rate runs the
-other seeds.
+one seed, scored on a validation split (sampled pass@1 after the last round), climbing the grid from its smallest rate
+and stopping at the first rate that scores below a smaller one; then each method's best rate runs the other seeds.
 The reported numbers are on a separate test split.
 
 - Loop methods (`run_topr_loop`, one epoch per round, a fresh optimizer each round): each round samples
@@ -54,7 +54,7 @@ SCALES = {
     "fast": {"prompts": 64, "num_samples": 8, "val": 64, "test": 128, "k": 4, "rounds": 8, "seeds": 3, "batch": 16,
              "lrs": [3e-5, 1e-4, 3e-4, 1e-3], "max_new_tokens": 12, "bf16": False},
     "real": {"prompts": 48, "num_samples": 4, "val": 48, "test": 96, "k": 4, "rounds": 4, "seeds": 3, "batch": 8,
-             "lrs": [1e-5, 3e-5, 1e-4], "max_new_tokens": 48, "bf16": None},  # None: bf16 where the CPU has it natively
+             "lrs": [3e-6, 1e-5, 3e-5, 1e-4], "max_new_tokens": 48, "bf16": None},  # None: bf16 where the CPU has it natively
 }
 QUICK = {"prompts": 8, "num_samples": 4, "val": 4, "test": 4, "k": 1, "rounds": 2, "seeds": 2, "batch": 8,
          "lrs": [3e-4]}
@@ -310,17 +310,20 @@ def main(argv=None) -> str:
             return False
         return args.time_limit is None or not ran or time.perf_counter() - t0 <= 60 * args.time_limit
 
+    def score(method: str, lr: float) -> float | None:  # the seed-0 run's validation score; None: no time to run it
+        if not available(method, lr, 0):
+            return None
+        run(method, lr, 0)
+        return json.loads((work / method / f"lr{lr:g}" / "seed0" / "done").read_text())["pass@1"]
+
     # First every method's sweep on seed 0, then the other seeds at each method's best rate: a run stopped halfway
     # already compares every method on one seed.
-    sweeps = {method: {} for method in args.methods}
+    sweeps = {}
     for method in args.methods:
-        for lr in setting["lrs"]:
-            if not available(method, lr, 0):
-                break
-            run(method, lr, 0)
-            sweeps[method][lr] = json.loads((work / method / f"lr{lr:g}" / "seed0" / "done").read_text())["pass@1"]
+        done = lambda lr: (work / method / f"lr{lr:g}" / "seed0" / "done").exists()  # noqa: E731
+        sweeps[method] = climb(setting["lrs"], lambda lr: score(method, lr), done)
     for method, sweep in sweeps.items():
-        if len(sweep) < len(setting["lrs"]):
+        if sweep is None:
             continue
         best = max(sweep, key=lambda lr: (sweep[lr], -lr))  # ties: the smaller rate
         runs = [run(method, best, seed) for seed in range(setting["seeds"]) if available(method, best, seed)]
@@ -342,6 +345,22 @@ def main(argv=None) -> str:
     status = "complete" if finished else "stopped at the time limit: run the same command again to go on"
     print(f"{results['title']}; {results['seconds_this_call']} s this call, {status}\n\n{table}\n\n{diagnosis}")
     return table
+
+
+def climb(rates: list[float], score, done) -> dict | None:
+    """A learning-rate sweep: `score(rate)` of each rate in ascending order, stopping at the first rate that scores
+    below a smaller one (past the peak, larger rates are not trained; those already `done` are still read). Returns
+    {rate: score}, or None when `score` returns None (no time left to run that rate)."""
+    scores, past_peak = {}, False
+    for rate in sorted(rates):
+        if past_peak and not done(rate):
+            continue
+        value = score(rate)
+        if value is None:
+            return None
+        scores[rate] = value
+        past_peak = past_peak or value < max(scores.values())
+    return scores
 
 
 def validate(setting: dict, method: str, folder: Path, seed: int) -> dict:

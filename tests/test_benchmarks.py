@@ -91,3 +91,28 @@ def test_iterative_benchmark_resumes_and_gives_every_method_the_same_budget(caps
     partial = iterative.main(options + ["--report_only"])
     assert partial.split("\n\n")[0].splitlines()[2:] == table.split("\n\n")[0].splitlines()[2:-1]
     assert not (tmp_path / "work" / "grpo").exists()
+
+
+def test_iterative_sweep_climbs_the_grid_and_stops_past_the_peak():
+    climb = load("iterative").climb
+    scores = {1e-5: 0.5, 3e-5: 0.7, 1e-4: 0.6, 3e-4: 0.9}
+    trained = []
+
+    def score(rate):
+        trained.append(rate)
+        return scores[rate]
+
+    assert climb([3e-4, 1e-4, 3e-5, 1e-5], score, done=lambda rate: False) == {1e-5: 0.5, 3e-5: 0.7, 1e-4: 0.6}
+    assert trained == [1e-5, 3e-5, 1e-4]  # ascending; 3e-4 is past the peak, not trained
+    assert climb(list(scores), scores.get, done=lambda rate: rate == 3e-4) == scores  # a finished run is still read
+    assert climb(list(scores), lambda rate: None if rate == 3e-5 else scores[rate], lambda rate: False) is None
+
+
+def test_iterative_fast_results_keep_their_best_rates_under_the_climbing_sweep():
+    # The committed fast results ran every rate of the grid; the climbing sweep picks the same best rate from them.
+    iterative = load("iterative")
+    results = json.loads((BENCHMARKS / "results" / "iterative-fast" / "results.json").read_text())
+    for method, entry in results["methods"].items():
+        recorded = {float(rate): value for rate, value in entry["sweep"].items()}
+        swept = iterative.climb(list(recorded), recorded.get, done=lambda rate: False)
+        assert max(swept, key=lambda rate: (swept[rate], -rate)) == entry["lr"], method
