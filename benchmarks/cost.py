@@ -86,10 +86,12 @@ def bf16(fp32: bool) -> bool:
 
 
 def common_args(spec: dict) -> dict:
+    from trl_topr.config import CHECKPOINTING  # the name of the transformers installed
+
     return {
         "output_dir": spec["out"], "use_cpu": True, "bf16": bf16(spec["fp32"]), "report_to": "none", "seed": 0,
         "per_device_train_batch_size": spec["batch"], "per_device_eval_batch_size": spec["batch"],
-        "max_steps": spec["steps"], "logging_steps": 10**6, "save_strategy": "no", "activation_checkpointing": False,
+        "max_steps": spec["steps"], "logging_steps": 10**6, "save_strategy": "no", CHECKPOINTING: False,
         "learning_rate": 1e-5, "dataloader_num_workers": 0, "max_length": PROMPT_TOKENS + spec["length"] + 8,
     }
 

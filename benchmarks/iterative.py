@@ -94,13 +94,14 @@ def setup(scale: str, work: Path, quick: bool) -> dict:
 
 
 def training_args(setting: dict, out: Path, lr: float, seed: int, **overrides) -> dict:
+    from trl_topr.config import CHECKPOINTING  # the name of the transformers installed (vLLM's pins an older one)
     from trl_topr.precision import resolve_bf16
 
     return {
         "output_dir": str(out), "use_cpu": True, "bf16": resolve_bf16(setting["bf16"], use_cpu=True),
         "report_to": "none", "seed": seed, "learning_rate": lr, "lr_scheduler_type": "constant", "warmup_steps": 0,
         "weight_decay": 0.0, "max_grad_norm": 1.0, "per_device_train_batch_size": setting["batch"],
-        "logging_steps": 1, "save_strategy": "no", "activation_checkpointing": False, "disable_tqdm": True,
+        "logging_steps": 1, "save_strategy": "no", CHECKPOINTING: False, "disable_tqdm": True,
         **overrides,
     }  # fmt: skip
 

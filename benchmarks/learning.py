@@ -134,6 +134,7 @@ def setup(scale: str, work: str, quick: bool) -> dict:
 
 # ------------------------------------------------------------------------------------------------------------- training
 def common_args(setting: dict, out: str, seed: int) -> dict:
+    from trl_topr.config import CHECKPOINTING  # the name of the transformers installed
     from trl_topr.precision import resolve_bf16  # the library's rule, the same for every trainer compared
 
     return {
@@ -141,7 +142,7 @@ def common_args(setting: dict, out: str, seed: int) -> dict:
         "seed": seed,
         "learning_rate": setting["lr"], "lr_scheduler_type": "constant", "warmup_steps": 0, "weight_decay": 0.0,
         "max_grad_norm": 1.0, "per_device_train_batch_size": setting["batch"], "num_train_epochs": setting["epochs"],
-        "logging_steps": 10**6, "save_strategy": "no", "activation_checkpointing": False, "disable_tqdm": True,
+        "logging_steps": 10**6, "save_strategy": "no", CHECKPOINTING: False, "disable_tqdm": True,
         "dataloader_num_workers": 0,
     }
 
