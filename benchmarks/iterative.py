@@ -9,7 +9,8 @@ Anna Karenina-curated rounds, and TRL's GRPOTrainer online on the same prompts a
 Every run (method, learning rate, seed) is saved round by round under --work: run the command again to go on where it
 stopped (`--time_limit` stops cleanly after that many minutes). Every method first gets a small learning-rate sweep on
 one seed, scored on a validation split (sampled pass@1 after the last round), climbing the grid from its smallest rate
-and stopping at the first rate that scores below a smaller one; then each method's best rate runs the other seeds.
+and stopping at the first rate that scores below a smaller one, with one rate past the grid's edge when the best is at
+an edge; then each method's best rate runs the other seeds.
 The reported numbers are on a separate test split.
 
 - Loop methods (`run_topr_loop`, one epoch per round, a fresh optimizer each round): each round samples
@@ -326,7 +327,7 @@ def main(argv=None) -> str:
     for method, sweep in sweeps.items():
         if sweep is None:
             continue
-        best = max(sweep, key=lambda lr: (sweep[lr], -lr))  # ties: the smaller rate
+        best = best_rate(sweep)
         runs = [run(method, best, seed) for seed in range(setting["seeds"]) if available(method, best, seed)]
         results["methods"][method] = {"lr": best, "sweep": {f"{lr:g}": v for lr, v in sweep.items()}, "runs": runs}
     finished = all(len(results["methods"].get(m, {"runs": []})["runs"]) == setting["seeds"] for m in args.methods)
@@ -350,7 +351,8 @@ def main(argv=None) -> str:
 
 def climb(rates: list[float], score, done) -> dict | None:
     """A learning-rate sweep: `score(rate)` of each rate in ascending order, stopping at the first rate that scores
-    below a smaller one (past the peak, larger rates are not trained; those already `done` are still read). Returns
+    below a smaller one (past the peak, larger rates are not trained; those already `done` are still read). A best
+    rate at an edge of the grid is not known to be the best: then one more rate past that edge is scored. Returns
     {rate: score}, or None when `score` returns None (no time left to run that rate)."""
     scores, past_peak = {}, False
     for rate in sorted(rates):
@@ -361,7 +363,25 @@ def climb(rates: list[float], score, done) -> dict | None:
             return None
         scores[rate] = value
         past_peak = past_peak or value < max(scores.values())
+    best = best_rate(scores)
+    if len(rates) > 1 and best in (min(rates), max(rates)):
+        extra = beyond(best, up=best == max(rates))
+        value = score(extra)
+        if value is None:
+            return None
+        scores[extra] = value
     return scores
+
+
+def best_rate(scores: dict) -> float:
+    return max(scores, key=lambda rate: (scores[rate], -rate))  # ties: the smaller rate
+
+
+def beyond(rate: float, up: bool) -> float:
+    """The next rate past `rate` on the 1-3-10 ladder (..., 1e-5, 3e-5, 1e-4, ...)."""
+    threes = f"{rate:.0e}".startswith("3")
+    factor = (10 / 3 if threes else 3) if up else (3 if threes else 10 / 3)
+    return float(f"{rate * factor if up else rate / factor:.0e}")
 
 
 def validate(setting: dict, method: str, folder: Path, seed: int) -> dict:

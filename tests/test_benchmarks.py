@@ -94,25 +94,34 @@ def test_iterative_benchmark_resumes_and_gives_every_method_the_same_budget(caps
 
 
 def test_iterative_sweep_climbs_the_grid_and_stops_past_the_peak():
-    climb = load("iterative").climb
-    scores = {1e-5: 0.5, 3e-5: 0.7, 1e-4: 0.6, 3e-4: 0.9}
+    iterative = load("iterative")
+    scores = {1e-6: 0.1, 3e-6: 0.2, 1e-5: 0.5, 3e-5: 0.7, 1e-4: 0.6, 3e-4: 0.9, 1e-3: 0.95}
     trained = []
 
     def score(rate):
         trained.append(rate)
         return scores[rate]
 
-    assert climb([3e-4, 1e-4, 3e-5, 1e-5], score, done=lambda rate: False) == {1e-5: 0.5, 3e-5: 0.7, 1e-4: 0.6}
+    grid = [3e-4, 1e-4, 3e-5, 1e-5]
+    assert iterative.climb(grid, score, done=lambda rate: False) == {1e-5: 0.5, 3e-5: 0.7, 1e-4: 0.6}
     assert trained == [1e-5, 3e-5, 1e-4]  # ascending; 3e-4 is past the peak, not trained
-    assert climb(list(scores), scores.get, done=lambda rate: rate == 3e-4) == scores  # a finished run is still read
-    assert climb(list(scores), lambda rate: None if rate == 3e-5 else scores[rate], lambda rate: False) is None
+    # a finished run past the peak is still read; its best at the grid's top edge asks for one rate beyond it
+    assert iterative.climb(grid, scores.get, done=lambda rate: rate == 3e-4) == {
+        1e-5: 0.5, 3e-5: 0.7, 1e-4: 0.6, 3e-4: 0.9, 1e-3: 0.95}  # fmt: skip
+    descending = {rate: -rate for rate in scores}
+    assert iterative.climb([3e-6, 1e-5], descending.get, done=lambda rate: False) == {3e-6: -3e-6, 1e-5: -1e-5,
+                                                                                       1e-6: -1e-6}  # fmt: skip
+    assert iterative.climb([3e-4], scores.get, done=lambda rate: False) == {3e-4: 0.9}  # one rate: no sweep
+    assert iterative.climb(grid, lambda rate: None if rate == 3e-5 else scores[rate], lambda rate: False) is None
+    assert [iterative.beyond(rate, up) for rate, up in [(1e-5, False), (3e-6, False), (3e-5, True), (1e-3, True)]] \
+        == [3e-6, 1e-6, 1e-4, 3e-3]
 
 
-def test_iterative_fast_results_keep_their_best_rates_under_the_climbing_sweep():
-    # The committed fast results ran every rate of the grid; the climbing sweep picks the same best rate from them.
+def test_iterative_fast_results_follow_the_sweep():
+    # The committed fast results hold every rate the sweep asks for, and its best rate is the one each method ran.
     iterative = load("iterative")
     results = json.loads((BENCHMARKS / "results" / "iterative-fast" / "results.json").read_text())
     for method, entry in results["methods"].items():
         recorded = {float(rate): value for rate, value in entry["sweep"].items()}
-        swept = iterative.climb(list(recorded), recorded.get, done=lambda rate: False)
-        assert max(swept, key=lambda rate: (swept[rate], -rate)) == entry["lr"], method
+        swept = iterative.climb(results["settings"]["lrs"], recorded.get, done=lambda rate: rate in recorded)
+        assert swept == recorded and iterative.best_rate(swept) == entry["lr"], method
