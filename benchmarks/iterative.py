@@ -21,7 +21,8 @@ The reported numbers are on a separate test split.
   evaluated as one round.
 
 The x axis is what was sampled so far (completions and completion tokens), the same for every method. Writes
-`results.json`, `table.md`, `diagnosis.md` and `iterative.png` to --out (default benchmarks/results/iterative-<scale>).
+`results.json`, `table.md`, `diagnosis.md`, `sweep.md` (every finished seed-0 run) and `iterative.png` to --out
+(default benchmarks/results/iterative-<scale>).
 """
 
 import argparse
@@ -234,6 +235,22 @@ def summarize(results: dict) -> tuple[str, str]:
     return "\n".join(table) + note, "\n".join(diagnosis)
 
 
+def sweep_table(work: Path, methods: list[str], rounds: int) -> str:
+    """Markdown: every finished seed-0 run (the sweeps, complete or not): held-out greedy pass@1 per round, the final
+    sampled pass@1 and invalid rate, and the validation score that picks the rate."""
+    header = ["method", "lr", *[f"greedy r{r}" for r in range(rounds + 1)], "sampled", "invalid", "validation"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for method in methods:
+        done = {float(d.parent.parent.name[2:]): d for d in (work / method).glob("lr*/seed0/done")}
+        for lr in sorted(done):
+            run = read_run(method, done[lr].parent)
+            validation = json.loads(done[lr].read_text())["pass@1"]
+            cells = [method, f"{lr:g}", *[f"{r['pass@1_greedy']:.3f}" for r in run],
+                     f"{run[-1]['pass@1']:.3f}", f"{run[-1]['invalid_rate']:.3f}", f"{validation:.3f}"]  # fmt: skip
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\nSeed 0, test split; validation: sampled pass@1 on the validation split."
+
+
 def plot(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -342,6 +359,7 @@ def main(argv=None) -> str:
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "table.md").write_text(f"{results['title']}\n\n{table}\n")
     (out / "diagnosis.md").write_text(f"{results['title']}\n\n{diagnosis}\n")
+    (out / "sweep.md").write_text(f"{results['title']}\n\n{sweep_table(work, args.methods, setting['rounds'])}\n")
     if results["methods"]:
         plot(results, out / "iterative.png")
     status = "complete" if finished else "stopped at the time limit: run the same command again to go on"

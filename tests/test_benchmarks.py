@@ -84,6 +84,8 @@ def test_iterative_benchmark_resumes_and_gives_every_method_the_same_budget(caps
     assert budgets == {(0, 32, 64)}  # 8 prompts x 4 samples a round, for the loop and GRPO alike
     assert (tmp_path / "out" / "iterative.png").stat().st_size > 0
     assert "negative weight share" in (tmp_path / "out" / "diagnosis.md").read_text()
+    sweep_rows = (tmp_path / "out" / "sweep.md").read_text().split("\n\n")[1].splitlines()[2:]
+    assert [row.split("|")[1].strip() for row in sweep_rows] == list(iterative.METHODS)  # one rate each in --quick
     assert json.loads((first / "done").read_text())["seconds"] >= 0
 
     # --report_only: the finished runs' results again, nothing trained (a missing method is left out)
