@@ -9,8 +9,8 @@ Anna Karenina-curated rounds, and TRL's GRPOTrainer online on the same prompts a
 Every run (method, learning rate, seed) is saved round by round under --work: run the command again to go on where it
 stopped (`--time_limit` stops cleanly after that many minutes). Every method first gets a small learning-rate sweep on
 one seed, scored on a validation split (sampled pass@1 after the last round), climbing the grid from its smallest rate
-and stopping at the first rate that scores below a smaller one, with one rate past the grid's edge when the best is at
-an edge; then each method's best rate runs the other seeds.
+and stopping at the first rate that scores below a smaller one; while the best is at an edge of the rates scored, the
+next rate past it is scored too (up to two beyond the grid); then each method's best rate runs the other seeds.
 The reported numbers are on a separate test split.
 
 - Loop methods (`run_topr_loop`, one epoch per round, a fresh optimizer each round): each round samples
@@ -367,11 +367,15 @@ def main(argv=None) -> str:
     return table
 
 
+PAST_EDGE = 2  # the most rates a sweep follows its best past the grid's edge
+
+
 def climb(rates: list[float], score, done) -> dict | None:
     """A learning-rate sweep: `score(rate)` of each rate in ascending order, stopping at the first rate that scores
     below a smaller one (past the peak, larger rates are not trained; those already `done` are still read). A best
-    rate at an edge of the grid is not known to be the best: then one more rate past that edge is scored. Returns
-    {rate: score}, or None when `score` returns None (no time left to run that rate)."""
+    rate at an edge of the rates scored is not known to be the best: then the next rate past that edge is scored, up
+    to `PAST_EDGE` rates beyond the grid. Returns {rate: score}, or None when `score` returns None (no time left to
+    run that rate)."""
     scores, past_peak = {}, False
     for rate in sorted(rates):
         if past_peak and not done(rate):
@@ -381,9 +385,11 @@ def climb(rates: list[float], score, done) -> dict | None:
             return None
         scores[rate] = value
         past_peak = past_peak or value < max(scores.values())
-    best = best_rate(scores)
-    if len(rates) > 1 and best in (min(rates), max(rates)):
-        extra = beyond(best, up=best == max(rates))
+    for _ in range(PAST_EDGE if len(rates) > 1 else 0):
+        best = best_rate(scores)
+        if best not in (min(scores), max(scores)):
+            break
+        extra = beyond(best, up=best == max(scores))
         value = score(extra)
         if value is None:
             return None

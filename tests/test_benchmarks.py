@@ -107,12 +107,17 @@ def test_iterative_sweep_climbs_the_grid_and_stops_past_the_peak():
     grid = [3e-4, 1e-4, 3e-5, 1e-5]
     assert iterative.climb(grid, score, done=lambda rate: False) == {1e-5: 0.5, 3e-5: 0.7, 1e-4: 0.6}
     assert trained == [1e-5, 3e-5, 1e-4]  # ascending; 3e-4 is past the peak, not trained
-    # a finished run past the peak is still read; its best at the grid's top edge asks for one rate beyond it
+    # a finished run past the peak is still read; its best at the grid's top edge asks for rates beyond it
+    scores[3e-3] = 0.2
     assert iterative.climb(grid, scores.get, done=lambda rate: rate == 3e-4) == {
-        1e-5: 0.5, 3e-5: 0.7, 1e-4: 0.6, 3e-4: 0.9, 1e-3: 0.95}  # fmt: skip
-    descending = {rate: -rate for rate in scores}
+        1e-5: 0.5, 3e-5: 0.7, 1e-4: 0.6, 3e-4: 0.9, 1e-3: 0.95, 3e-3: 0.2}  # fmt: skip
+    # a best past the edge is followed while it stays at the edge, up to PAST_EDGE rates beyond the grid
+    descending = {rate: -rate for rate in [1e-7, 3e-7, 1e-6, 3e-6, 1e-5]}
+    assert iterative.PAST_EDGE == 2
     assert iterative.climb([3e-6, 1e-5], descending.get, done=lambda rate: False) == {3e-6: -3e-6, 1e-5: -1e-5,
-                                                                                       1e-6: -1e-6}  # fmt: skip
+                                                                                       1e-6: -1e-6, 3e-7: -3e-7}  # fmt: skip
+    turns = {1e-6: 0.4, 3e-6: 0.5, 1e-5: 0.3}  # the first rate past the edge scores lower: the sweep ends there
+    assert iterative.climb([3e-6, 1e-5], turns.get, done=lambda rate: False) == {3e-6: 0.5, 1e-5: 0.3, 1e-6: 0.4}
     assert iterative.climb([3e-4], scores.get, done=lambda rate: False) == {3e-4: 0.9}  # one rate: no sweep
     assert iterative.climb(grid, lambda rate: None if rate == 3e-5 else scores[rate], lambda rate: False) is None
     assert [iterative.beyond(rate, up) for rate, up in [(1e-5, False), (3e-6, False), (3e-5, True), (1e-3, True)]] \
