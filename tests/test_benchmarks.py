@@ -114,8 +114,8 @@ def test_iterative_sweep_climbs_the_grid_and_stops_past_the_peak():
     # a best past the edge is followed while it stays at the edge, up to PAST_EDGE rates beyond the grid
     descending = {rate: -rate for rate in [1e-7, 3e-7, 1e-6, 3e-6, 1e-5]}
     assert iterative.PAST_EDGE == 2
-    assert iterative.climb([3e-6, 1e-5], descending.get, done=lambda rate: False) == {3e-6: -3e-6, 1e-5: -1e-5,
-                                                                                       1e-6: -1e-6, 3e-7: -3e-7}  # fmt: skip
+    assert iterative.climb([3e-6, 1e-5], descending.get, done=lambda rate: False) == {
+        3e-6: -3e-6, 1e-5: -1e-5, 1e-6: -1e-6, 3e-7: -3e-7}  # fmt: skip
     turns = {1e-6: 0.4, 3e-6: 0.5, 1e-5: 0.3}  # the first rate past the edge scores lower: the sweep ends there
     assert iterative.climb([3e-6, 1e-5], turns.get, done=lambda rate: False) == {3e-6: 0.5, 1e-5: 0.3, 1e-6: 0.4}
     assert iterative.climb([3e-4], scores.get, done=lambda rate: False) == {3e-4: 0.9}  # one rate: no sweep
