@@ -35,6 +35,24 @@ CORPUS = [
 ] * 20
 
 
+def end_processes() -> None:
+    """
+    End a worker run on several processes (`accelerate launch`): wait until every process is done (the main one may
+    still be saving), collect what still holds the process group (a DDP model's reducer lives in reference cycles),
+    then destroy the group. Call it after the worker's trainers have gone out of scope: a gloo group that outlives
+    `destroy_process_group` is torn down during interpreter shutdown, where its threads can abort the process
+    ("terminate called without an active exception").
+    """
+    import gc
+
+    from accelerate import PartialState
+
+    state = PartialState()
+    state.wait_for_everyone()
+    gc.collect()
+    state.destroy_process_group()
+
+
 def build_tiny_model(folder: str, seed: int = 0, hidden_size: int = 32) -> str:
     """Save a 2-layer Llama and a ~200-token BPE tokenizer (ChatML template) to `folder`; return the folder."""
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))

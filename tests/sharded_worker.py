@@ -81,10 +81,11 @@ def main(engine: str, tests_dir: str, model_path: str, other_model_path: str, da
     result["world"] = torch.distributed.get_world_size()
     if state.is_main_process:
         (output / "result.json").write_text(json.dumps(result))
-    state.wait_for_everyone()
-    state.destroy_process_group()
 
 
 if __name__ == "__main__":
     engine, tests_dir, model_path, other_model_path, data_path, output_dir, lora = sys.argv[1:8]
     main(engine, tests_dir, model_path, other_model_path, data_path, output_dir, lora == "lora")
+    from conftest import end_processes  # the tests' folder is on the path by now
+
+    end_processes()

@@ -1,7 +1,6 @@
 """One update, however its batch is split: micro-batches x accumulation steps x processes give the same weights, and
 logged metrics are the exact values over the batch (weighted by their counts), for the offline and online trainers."""
 
-import json
 import os
 import subprocess
 import sys
@@ -61,14 +60,15 @@ WORKER = textwrap.dedent(
     """
     import sys
     sys.path.insert(0, {tests!r})
-    from accelerate import PartialState
-    from datasets import Dataset
+    from conftest import end_processes
     from test_accumulation import one_sgd_step
 
-    model_path, output_dir, normalization = sys.argv[1:4]
-    weights, trainer = one_sgd_step(model_path, output_dir, normalization, 2, 2)  # 2 processes x 2 x 2 = 8 rows
-    trainer.save_model(output_dir)
-    PartialState().destroy_process_group()
+    def main(model_path, output_dir, normalization):
+        _, trainer = one_sgd_step(model_path, output_dir, normalization, 2, 2)  # 2 processes x 2 x 2 = 8 rows
+        trainer.save_model(output_dir)
+
+    main(*sys.argv[1:4])
+    end_processes()
     """
 )
 

@@ -18,19 +18,22 @@ WORKER = textwrap.dedent(
     import json, sys
     sys.path.insert(0, {tests!r})
     from accelerate import PartialState
-    from conftest import make_args
+    from conftest import end_processes, make_args
     from datasets import Dataset
     from trl_topr import TOPRTrainer
 
-    model_path, data_path, output_dir = sys.argv[1:4]
-    trainer = TOPRTrainer(model_path, args=make_args(output_dir, max_steps=2, per_device_train_batch_size=2),
-                          train_dataset=Dataset.from_json(data_path))
-    trainer.train()
-    rank = PartialState().process_index
-    with open(f"{{output_dir}}/rank{{rank}}.json", "w") as f:
-        json.dump({{"behavior": list(trainer.train_dataset["behavior_logps"]), "world": PartialState().num_processes,
-                   "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e]}}, f)
-    PartialState().destroy_process_group()
+    def main(model_path, data_path, output_dir):
+        trainer = TOPRTrainer(model_path, args=make_args(output_dir, max_steps=2, per_device_train_batch_size=2),
+                              train_dataset=Dataset.from_json(data_path))
+        trainer.train()
+        rank = PartialState().process_index
+        with open(f"{{output_dir}}/rank{{rank}}.json", "w") as f:
+            json.dump({{"behavior": list(trainer.train_dataset["behavior_logps"]),
+                       "world": PartialState().num_processes,
+                       "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e]}}, f)
+
+    main(*sys.argv[1:4])
+    end_processes()
     """
 )
 
@@ -76,7 +79,7 @@ LOOP_WORKER = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     import torch
     from accelerate import PartialState
-    from conftest import make_args
+    from conftest import end_processes, make_args
     from datasets import Dataset
     from trl_topr import TOPRTrainer, run_topr_loop
 
@@ -106,7 +109,7 @@ LOOP_WORKER = textwrap.dedent(
                            eval_kwargs={{"num_samples": 2, "max_new_tokens": 6, "progress": False}})
     with open(f"{{sys.argv[2]}}/rounds-rank{{PartialState().process_index}}.json", "w") as f:
         json.dump(rounds, f)
-    PartialState().destroy_process_group()
+    end_processes()
     """
 )
 

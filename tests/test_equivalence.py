@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # for `conftest` when this file 
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from conftest import make_args, standard_dataset  # noqa: E402
+from conftest import end_processes, make_args, standard_dataset  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
@@ -121,8 +121,6 @@ def train(model_path: str, output_dir, config: str, per_device_train_batch_size:
 
 
 def _worker(model_path: str, output_dir: str) -> None:
-    from accelerate import PartialState
-
     # (No `PartialState()` before the trainer: created without `cpu=True`, it would find no GPU and set up no process
     # group.)
     for config in CONFIGS:
@@ -130,7 +128,6 @@ def _worker(model_path: str, output_dir: str) -> None:
         rank = record["rank"]
         Path(f"{output_dir}/{config}-rank{rank}.json").write_text(json.dumps(record))
         torch.save(weights, f"{output_dir}/{config}-rank{rank}.pt")
-    PartialState().destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -248,3 +245,4 @@ def test_same_seed_same_data_trains_identically(runs, tiny_model_path):
 
 if __name__ == "__main__":  # the worker of each process under `accelerate launch`
     _worker(*sys.argv[1:3])
+    end_processes()

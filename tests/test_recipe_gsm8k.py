@@ -100,6 +100,7 @@ RECIPE_WORKER = textwrap.dedent(
     import hashlib, sys
     sys.path.insert(0, {recipes!r}); sys.path.insert(0, {tests!r})
     from accelerate import PartialState
+    from conftest import end_processes
     from trl_topr import TOPRTrainer
     import gsm8k, test_recipe_gsm8k
 
@@ -114,7 +115,7 @@ RECIPE_WORKER = textwrap.dedent(
     TOPRTrainer.save_model = recording_save_model
 
     gsm8k.main(*test_recipe_gsm8k.tiny_run(sys.argv[1], sys.argv[2], per_device_train_batch_size=2))
-    PartialState().destroy_process_group()
+    end_processes()
     """
 )
 

@@ -129,11 +129,12 @@ WORKER = textwrap.dedent(
     import sys
     sys.path.insert(0, {recipes!r}); sys.path.insert(0, {tests!r})
     from accelerate import PartialState
+    from conftest import end_processes
     import verifier, test_recipe_verifier
 
     results = verifier.main(*test_recipe_verifier.tiny_args(sys.argv[1], sys.argv[2]))
     print("rank", PartialState().process_index, "votes", results["votes"])
-    PartialState().destroy_process_group()
+    end_processes()
     """
 )
 
