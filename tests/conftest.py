@@ -38,10 +38,10 @@ CORPUS = [
 def end_processes() -> None:
     """
     End a worker run on several processes (`accelerate launch`): wait until every process is done (the main one may
-    still be saving), collect what still holds the process group (a DDP model's reducer lives in reference cycles),
-    then destroy the group. Call it after the worker's trainers have gone out of scope: a gloo group that outlives
-    `destroy_process_group` is torn down during interpreter shutdown, where its threads can abort the process
-    ("terminate called without an active exception").
+    still be saving), collect garbage (a trainer left in a reference cycle would keep its DDP model, whose reducer
+    holds the process group, alive), then destroy the group. Call it after the worker's trainers have gone out of
+    scope: a gloo group that outlives `destroy_process_group` is torn down during interpreter shutdown, where its
+    threads can abort the process ("terminate called without an active exception").
     """
     import gc
 
