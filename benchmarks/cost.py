@@ -4,6 +4,8 @@
     python benchmarks/cost.py                    # ~21M Llama (SmolLM2-135M widths, 6 layers), L in {64, 256} x batch
                                                  # {4, 8}, 8 steps: about 4 minutes on 2 CPU cores
     python benchmarks/cost.py --quick --steps 2  # smoke run (tests/test_benchmarks.py)
+    python benchmarks/cost.py --device cuda --arch qwen2.5-0.5b --trainers SFT TOPR [--qlora]
+                                                 # on a GPU: Qwen2.5-0.5B's architecture, bf16 (or NF4 QLoRA)
 
 Every row trains, from the same saved weights and seed, on one dataset of prompt (32 tokens) / completion (L tokens)
 rows with rewards +-1 and per-token `behavior_logps` (computed once with the initial model):
@@ -19,6 +21,14 @@ from just before the model is loaded to the end of training) minus its RSS then 
 optimizer states, gradients, activations, allocator slack; CPU RSS is coarse, so small ratios are noisy.
 Precision: as the hardware computes fastest (bf16 autocast where the CPU has AMX, else fp32), the
 same for every trainer; --fp32 forces fp32.
+
+On CUDA (--device cuda): bf16 mixed precision (float32 weights, TRL's default on a GPU), step times synchronized with
+the device, peak memory = `torch.cuda.max_memory_allocated` of the run. --arch qwen2.5-0.5b builds Qwen2.5-0.5B's
+architecture (494M parameters, vocabulary 151,936) with random weights: a step's time and memory do not depend on the
+weights' values. --qlora loads the base in 4-bit NF4 (bf16 compute) with LoRA r=16 on every linear layer, for SFT and
+TOPR alike. Model FLOPs per step: 6 x N x tokens for full fine-tuning, 4 x N x tokens for QLoRA (the frozen base has
+no weight gradients), N = the parameters of the matrix products (the tied LM head counted once), attention ignored;
+MFU = those FLOPs per second over the bf16 matrix-product rate measured on the same device at the start (8192^3).
 """
 
 import argparse
@@ -40,24 +50,41 @@ PROMPT_TOKENS = 32
 TRAINERS = ["SFT", "TOPR", "TOPR+pre", "KTO"]
 
 
-def build_model(folder: str, quick: bool) -> str:
-    """The conftest tokenizer (BPE, ChatML); with --quick its tiny Llama, else a ~21M Llama with SmolLM2 widths."""
+ARCHS = {
+    "tiny": "tiny 2-layer Llama (conftest)",
+    "small": "~21M Llama (SmolLM2-135M widths, 6 layers)",
+    "qwen2.5-0.5b": "Qwen2.5-0.5B architecture (random weights)",
+}
+
+
+def build_model(folder: str, arch: str) -> str:
+    """The conftest tokenizer (BPE, ChatML) with a model of `arch` (`ARCHS`), saved to `folder` with random weights."""
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import build_tiny_model
 
     build_tiny_model(folder)
-    if not quick:
-        import torch
-        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    if arch == "tiny":
+        return folder
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-        tok = AutoTokenizer.from_pretrained(folder)
-        torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(folder)
+    special = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    torch.manual_seed(0)
+    if arch == "small":
         config = LlamaConfig(
             vocab_size=len(tok), hidden_size=576, intermediate_size=1536, num_hidden_layers=6,
             num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=1024, tie_word_embeddings=True,
-            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
+            **special,
         )
         LlamaForCausalLM(config).save_pretrained(folder)
+    else:  # Qwen2.5-0.5B's config.json; the tokenizer's ids (< 200) are a subset of its vocabulary
+        config = Qwen2Config(
+            vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+            num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6,
+            rms_norm_eps=1e-6, tie_word_embeddings=True, **special,
+        )
+        Qwen2ForCausalLM(config).save_pretrained(folder)
     return folder
 
 
@@ -78,26 +105,51 @@ def make_rows(folder: str, length: int, n: int) -> dict:
     return rows
 
 
-def bf16(fp32: bool) -> bool:
-    """The precision every trainer of the comparison uses: the library's rule for this CPU, unless --fp32."""
+def bf16(fp32: bool, device: str = "cpu") -> bool:
+    """The precision every trainer of the comparison uses: the library's rule for this device, unless --fp32."""
     from trl_topr.precision import has_native_bf16
 
-    return not fp32 and has_native_bf16("cpu")
+    return not fp32 and has_native_bf16(device)
 
 
 def common_args(spec: dict) -> dict:
     from trl_topr.config import CHECKPOINTING  # the name of the transformers installed
 
     return {
-        "output_dir": spec["out"], "use_cpu": True, "bf16": bf16(spec["fp32"]), "report_to": "none", "seed": 0,
+        "output_dir": spec["out"], "use_cpu": spec["device"] == "cpu", "bf16": bf16(spec["fp32"], spec["device"]),
+        "report_to": "none", "seed": 0,
         "per_device_train_batch_size": spec["batch"], "per_device_eval_batch_size": spec["batch"],
         "max_steps": spec["steps"], "logging_steps": 10**6, "save_strategy": "no", CHECKPOINTING: False,
         "learning_rate": 1e-5, "dataloader_num_workers": 0, "max_length": PROMPT_TOKENS + spec["length"] + 8,
     }
 
 
+def qlora_configs() -> dict:
+    """NF4 4-bit base with bf16 compute and LoRA r=16 on every linear layer: the QLoRA setup of the recipes."""
+    import torch
+    from peft import LoraConfig
+    from transformers import BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                      bnb_4bit_compute_dtype=torch.bfloat16)
+    lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
+    return {"quantization_config": quantization, "peft_config": lora}
+
+
+def matmul_params(folder: str) -> int:
+    """Parameters of the saved model that take part in a matrix product per token: all but an untied input embedding."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):  # the unquantized architecture, no memory
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    total = sum(p.numel() for p in model.parameters())  # tied weights are one parameter, counted once
+    embedding = model.get_input_embeddings().weight
+    return total if model.get_output_embeddings().weight is embedding else total - embedding.numel()
+
+
 def worker(spec: dict) -> dict:
-    """Train one trainer for spec["steps"] steps in this (fresh) process; return its step times, total and peak RSS."""
+    """Train one trainer for spec["steps"] steps in this (fresh) process; return its step times, total and peak memory."""
     import psutil
     import torch
     from datasets import Dataset, disable_caching
@@ -117,22 +169,27 @@ def worker(spec: dict) -> dict:
             time.sleep(0.002)
 
     times, begin = [], [0.0]
+    cuda = spec["device"] == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)  # CUDA runs ahead of Python: time the device's work
 
     class Timer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
+            sync()
             begin[0] = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
+            sync()
             times.append(time.perf_counter() - begin[0])
 
     rows = json.loads(Path(spec["data"]).read_text())
     name, model, kw = spec["trainer"], spec["model"], common_args(spec)
+    qlora = qlora_configs() if spec.get("qlora") else {}
     threading.Thread(target=sample, daemon=True).start()
     start = time.perf_counter()
     if name == "SFT":
         data = Dataset.from_dict({k: rows[k] for k in ("prompt", "completion")})
         trainer = SFTTrainer(model, args=SFTConfig(completion_only_loss=True, **kw), train_dataset=data,
-                             callbacks=[Timer()])
+                             callbacks=[Timer()], **qlora)
     elif name == "KTO":
         data = Dataset.from_dict({"prompt": rows["prompt"], "completion": rows["completion"],
                                   "label": [r > 0 for r in rows["reward"]]})
@@ -141,11 +198,12 @@ def worker(spec: dict) -> dict:
         if name == "TOPR+pre":
             rows = {k: v for k, v in rows.items() if k != "behavior_logps"}
         trainer = TOPRTrainer(model, args=TOPRConfig(**kw), train_dataset=Dataset.from_dict(rows),
-                              callbacks=[Timer()])
+                              callbacks=[Timer()], **qlora)
     trainer.train()
     total = time.perf_counter() - start
     done.set()
-    return {"times": times, "total": total, "peak_mb": (peak[0] - base) / 2**20}
+    peak_mb = torch.cuda.max_memory_allocated() / 2**20 if cuda else (peak[0] - base) / 2**20
+    return {"times": times, "total": total, "peak_mb": peak_mb}
 
 
 def behavior_logps(folder: str, rows: dict, spec: dict) -> list:
@@ -154,8 +212,27 @@ def behavior_logps(folder: str, rows: dict, spec: dict) -> list:
 
     from trl_topr import TOPRConfig, TOPRTrainer
 
-    trainer = TOPRTrainer(folder, args=TOPRConfig(**common_args(spec)), train_dataset=Dataset.from_dict(rows))
+    trainer = TOPRTrainer(folder, args=TOPRConfig(**common_args(spec)), train_dataset=Dataset.from_dict(rows),
+                          **(qlora_configs() if spec.get("qlora") else {}))
     return [list(v) for v in trainer.train_dataset["behavior_logps"]]
+
+
+def matmul_tflops() -> float:
+    """The device's bf16 matrix-product rate (TFLOP/s): median of 10 timed 8192^3 products on random data."""
+    import torch
+
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * 8192**3 / statistics.median(times) / 1e12
 
 
 def run_worker(spec: dict) -> dict:
@@ -176,31 +253,44 @@ def main(argv=None) -> str:
     parser.add_argument("--batches", type=int, nargs="+", help="per-device train batch sizes")
     parser.add_argument("--steps", type=int, help="training steps per run (the first is warmup)")
     parser.add_argument("--reps", type=int, default=1, help="repetitions, trainer order rotated each time")
-    parser.add_argument("--fp32", action="store_true", help="fp32 even where the CPU has native bf16")
+    parser.add_argument("--fp32", action="store_true", help="fp32 even where the hardware has native bf16")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where every trainer runs")
+    parser.add_argument("--arch", choices=list(ARCHS), help="model (default: small; tiny with --quick)")
+    parser.add_argument("--qlora", action="store_true", help="4-bit NF4 base + LoRA for SFT and TOPR (CUDA)")
+    parser.add_argument("--trainers", nargs="+", choices=TRAINERS, default=TRAINERS, help="trainers to compare")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         print("RESULT " + json.dumps(worker(json.loads(Path(args.worker).read_text()))), flush=True)
         return ""
+    if not {"SFT", "TOPR"} <= set(args.trainers):
+        parser.error("--trainers must include SFT and TOPR (every ratio is TOPR's over another trainer's)")
+    if args.qlora and (args.device != "cuda" or "KTO" in args.trainers):
+        parser.error("--qlora runs on --device cuda, for SFT and TOPR (+pre)")
+    arch = args.arch or ("tiny" if args.quick else "small")
     lengths = args.lengths or ([32, 128] if args.quick else [64, 256])
     batches = args.batches or ([4] if args.quick else [4, 8])
     steps = args.steps or (6 if args.quick else 8)
+    trainers = [name for name in TRAINERS if name in args.trainers]
+    peak_tflops = matmul_tflops() if args.device == "cuda" else None
 
     t0 = time.perf_counter()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        folder = build_model(str(Path(tmp) / "model"), args.quick)
+        folder = build_model(str(Path(tmp) / "model"), arch)
+        params = matmul_params(folder)
         for length in lengths:
             for batch in batches:
                 spec = {"model": folder, "length": length, "batch": batch, "steps": steps, "fp32": args.fp32,
-                            "out": str(Path(tmp) / "out"), "data": str(Path(tmp) / f"data-{length}-{batch}.json")}
+                        "device": args.device, "qlora": args.qlora,
+                        "out": str(Path(tmp) / "out"), "data": str(Path(tmp) / f"data-{length}-{batch}.json")}
                 rows = make_rows(folder, length, steps * batch)
                 rows["behavior_logps"] = behavior_logps(folder, rows, spec)
                 Path(spec["data"]).write_text(json.dumps(rows))
-                runs = {name: [] for name in TRAINERS}
+                runs = {name: [] for name in trainers}
                 for rep in range(args.reps):
-                    order = TRAINERS[rep % 4:] + TRAINERS[:rep % 4]
-                    for name in order:
+                    shift = rep % len(trainers)
+                    for name in trainers[shift:] + trainers[:shift]:
                         runs[name].append(run_worker(dict(spec, trainer=name)))
                 results.append((length, batch, runs))
                 print(f"done L={length} B={batch} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
@@ -211,22 +301,43 @@ def main(argv=None) -> str:
     def med(runs, key):
         return statistics.median(r[key] for r in runs)
 
-    header = ["L", "batch", "SFT s/step", "TOPR s/step", "TOPR/SFT", "TOPR+pre total/SFT total", "KTO s/step",
-              "TOPR/KTO", "SFT peak MB", "mem TOPR/SFT", "mem TOPR+pre/SFT", "mem TOPR/KTO"]
+    pre, kto = "TOPR+pre" in trainers, "KTO" in trainers
+    header = ["L", "batch", "SFT s/step", "TOPR s/step", "TOPR/SFT"] + ["TOPR+pre total/SFT total"] * pre
+    header += ["KTO s/step", "TOPR/KTO"] * kto + ["SFT peak MB", "mem TOPR/SFT"] + ["mem TOPR+pre/SFT"] * pre
+    header += ["mem TOPR/KTO"] * kto + ["SFT TFLOP/s", "TOPR TFLOP/s", "SFT MFU", "TOPR MFU"] * bool(peak_tflops)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for length, batch, runs in results:
-        sft, topr, kto = step(runs["SFT"]), step(runs["TOPR"]), step(runs["KTO"])
-        mem = {k: med(v, "peak_mb") for k, v in runs.items()}
-        cells = [length, batch, f"{sft:.3f}", f"{topr:.3f}", f"{topr / sft:.2f}",
-                 f"{med(runs['TOPR+pre'], 'total') / med(runs['SFT'], 'total'):.2f}", f"{kto:.3f}",
-                 f"{topr / kto:.2f}", f"{mem['SFT']:.0f}", f"{mem['TOPR'] / mem['SFT']:.2f}",
-                 f"{mem['TOPR+pre'] / mem['SFT']:.2f}", f"{mem['TOPR'] / mem['KTO']:.2f}"]
+        times = {name: step(r) for name, r in runs.items()}
+        mem = {name: med(r, "peak_mb") for name, r in runs.items()}
+        cells = [length, batch, f"{times['SFT']:.3f}", f"{times['TOPR']:.3f}", f"{times['TOPR'] / times['SFT']:.2f}"]
+        if pre:
+            cells.append(f"{med(runs['TOPR+pre'], 'total') / med(runs['SFT'], 'total'):.2f}")
+        if kto:
+            cells += [f"{times['KTO']:.3f}", f"{times['TOPR'] / times['KTO']:.2f}"]
+        cells += [f"{mem['SFT']:.0f}", f"{mem['TOPR'] / mem['SFT']:.2f}"]
+        if pre:
+            cells.append(f"{mem['TOPR+pre'] / mem['SFT']:.2f}")
+        if kto:
+            cells.append(f"{mem['TOPR'] / mem['KTO']:.2f}")
+        if peak_tflops:
+            flops = (4 if args.qlora else 6) * params * batch * (PROMPT_TOKENS + length)
+            rate = {name: flops / times[name] / 1e12 for name in ("SFT", "TOPR")}
+            cells += [f"{rate['SFT']:.1f}", f"{rate['TOPR']:.1f}", f"{rate['SFT'] / peak_tflops:.1%}",
+                      f"{rate['TOPR'] / peak_tflops:.1%}"]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     table = "\n".join(lines)
-    model = "tiny 2-layer Llama (conftest)" if args.quick else "~21M Llama (SmolLM2-135M widths, 6 layers)"
-    print(f"{model}, {'bf16 autocast' if bf16(args.fp32) else 'fp32'}, CPU, prompt {PROMPT_TOKENS} tokens, {steps} steps, "
-          f"{args.reps} rep(s); KTO = policy + reference forwards on matched and mismatched (KL) pairs; "
-          f"{time.perf_counter() - t0:.0f} s in all\n")
+    if args.device == "cuda":
+        import torch
+
+        where = f"{torch.cuda.get_device_name()} (bf16 matrix products measured at {peak_tflops:.0f} TFLOP/s)"
+    else:
+        where = "CPU"
+    precision = "bf16 autocast" if bf16(args.fp32, args.device) else "fp32"
+    if args.qlora:
+        precision = "NF4 4-bit base + LoRA r=16 (all linear layers), " + precision
+    extra = "; KTO = policy + reference forwards on matched and mismatched (KL) pairs" if kto else ""
+    print(f"{ARCHS[arch]}, {precision}, {where}, prompt {PROMPT_TOKENS} tokens, {steps} steps, {args.reps} rep(s)"
+          f"{extra}; {time.perf_counter() - t0:.0f} s in all\n")
     print(table)
     return table
 

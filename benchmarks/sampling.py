@@ -61,6 +61,7 @@ def direct_generate(model, tokenizer, prompts, *, num_samples, max_new_tokens, b
             texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
                      for p in prompts[first : first + batch_size]]
             inputs = tokenizer(texts, padding=True, padding_side="left", return_tensors="pt", add_special_tokens=False)
+            inputs = inputs.to(model.device)
             out = model.generate(**inputs, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
                                  max_new_tokens=max_new_tokens, num_return_sequences=num_samples,
                                  pad_token_id=tokenizer.pad_token_id)[:, inputs["input_ids"].size(1):]
@@ -116,7 +117,9 @@ def main(argv=None) -> str:
     with tempfile.TemporaryDirectory() as work:
         prompts, folder = prompts_and_model(args.quick, work)
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        cuda = torch.cuda.is_available()  # on a GPU: bf16 weights, as a GPU user loads them
+        dtype = torch.bfloat16 if cuda else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to("cuda" if cuda else "cpu").eval()
         settings = {"num_samples": args.num_samples, "max_new_tokens": args.max_new_tokens,
                     "batch_size": args.batch_size}
         if args.vllm:
@@ -150,6 +153,7 @@ def main(argv=None) -> str:
         columns = tokenized.select_columns(["input_ids", "labels"])
         batches = [collator([columns[j] for j in range(i, min(i + args.batch_size, len(columns)))])
                    for i in range(0, len(columns), args.batch_size)]
+        batches = [{k: v.to(model.device) for k, v in batch.items()} for batch in batches]
         scorers = {"forward": lambda batch: plain_logps(model, batch),
                    "fused": lambda batch: trainer._completion_logps(trainer.model, batch)[0]}  # the trainer's own
         times.update(fused=[], hash=[])
@@ -178,8 +182,8 @@ def main(argv=None) -> str:
              f"{rate['fused'] / rate['forward']:.2f} |"]
     table = "\n".join(lines)
     model_name = "tiny 2-layer Llama (conftest)" if args.quick else "SmolLM2-135M-Instruct"
-    device = "CUDA" if torch.cuda.is_available() else "CPU"
-    print(f"{model_name}, fp32 weights, {device}: {len(prompts)} prompts x {args.num_samples} samples, "
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    print(f"{model_name}, {str(dtype).removeprefix('torch.')} weights, {device}: {len(prompts)} prompts x {args.num_samples} samples, "
           f"{args.max_new_tokens} new tokens, batch {args.batch_size}; precompute in {precision}; "
           f"median of {args.reps} alternating reps; weights hash (the cache key of datasets read from files) {hash_s:.2f} s; tokens per rep: "
           + ", ".join(f"{name} {count}" for name, count in tokens.items()) + "\n")

