@@ -6,6 +6,7 @@
     python benchmarks/cost.py --quick --steps 2  # smoke run (tests/test_benchmarks.py)
     python benchmarks/cost.py --device cuda --arch qwen2.5-0.5b --trainers SFT TOPR [--qlora]
                                                  # on a GPU: Qwen2.5-0.5B's architecture, bf16 (or NF4 QLoRA)
+    python benchmarks/cost.py ... --profile      # also each trainer's top operators by self time (torch.profiler)
 
 Every row trains, from the same saved weights and seed, on one dataset of prompt (32 tokens) / completion (L tokens)
 rows with rewards +-1 and per-token `behavior_logps` (computed once with the initial model):
@@ -29,6 +30,11 @@ weights' values. --qlora loads the base in 4-bit NF4 (bf16 compute) with LoRA r=
 TOPR alike. Model FLOPs per step: 6 x N x tokens for full fine-tuning, 4 x N x tokens for QLoRA (the frozen base has
 no weight gradients), N = the parameters of the matrix products (the tied LM head counted once), attention ignored;
 MFU = those FLOPs per second over the bf16 matrix-product rate measured on the same device at the start (8192^3).
+
+--profile runs torch.profiler over every step but the first, in the first repetition, and prints per profiled step
+each trainer's total and its operators with the most self time (on CUDA: the device time of the kernels they launch;
+on CPU: CPU time): where a trainer's step goes, to explain a ratio. The profiler's overhead makes those steps slower;
+their times still enter s/step.
 """
 
 import argparse
@@ -172,8 +178,14 @@ def worker(spec: dict) -> dict:
     cuda = spec["device"] == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)  # CUDA runs ahead of Python: time the device's work
 
+    profiler = [None]
+
     class Timer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
+            if spec.get("profile") and state.global_step == 1:  # after the warmup step
+                activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * cuda
+                profiler[0] = torch.profiler.profile(activities=activities)
+                profiler[0].__enter__()
             sync()
             begin[0] = time.perf_counter()
 
@@ -203,7 +215,32 @@ def worker(spec: dict) -> dict:
     total = time.perf_counter() - start
     done.set()
     peak_mb = torch.cuda.max_memory_allocated() / 2**20 if cuda else (peak[0] - base) / 2**20
-    return {"times": times, "total": total, "peak_mb": peak_mb}
+    result = {"times": times, "total": total, "peak_mb": peak_mb}
+    if profiler[0] is not None:
+        profiler[0].__exit__(None, None, None)
+        result["profile"] = top_operators(profiler[0], cuda, steps=len(times) - 1)
+    return result
+
+
+def top_operators(profiler, cuda: bool, steps: int, limit: int = 12) -> list:
+    """
+    The `limit` operators with the most self time, in ms per profiled step, after the total. On CUDA: the device time
+    of the kernels each operator launched, and the total of every kernel (kernels are not listed themselves, so that
+    no time counts twice); on CPU: CPU self time.
+    """
+    from torch.autograd import DeviceType
+
+    averages = profiler.key_averages()
+    if cuda:
+        total = sum(e.self_device_time_total for e in averages if e.device_type == DeviceType.CUDA)
+        events = [(e, e.self_device_time_total) for e in averages if e.device_type == DeviceType.CPU]
+    else:
+        events = [(e, e.self_cpu_time_total) for e in averages]
+        total = sum(time for _, time in events)
+    events = sorted((pair for pair in events if pair[1] > 0), key=lambda pair: pair[1], reverse=True)
+    rows = [["all " + ("kernels" if cuda else "operators"), total / 1e3 / steps, None]]
+    rows += [[e.key[:70], time / 1e3 / steps, e.count // steps] for e, time in events[:limit]]
+    return rows
 
 
 def behavior_logps(folder: str, rows: dict, spec: dict) -> list:
@@ -258,6 +295,7 @@ def main(argv=None) -> str:
     parser.add_argument("--arch", choices=list(ARCHS), help="model (default: small; tiny with --quick)")
     parser.add_argument("--qlora", action="store_true", help="4-bit NF4 base + LoRA for SFT and TOPR (CUDA)")
     parser.add_argument("--trainers", nargs="+", choices=TRAINERS, default=TRAINERS, help="trainers to compare")
+    parser.add_argument("--profile", action="store_true", help="print each trainer's top operators (torch.profiler)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -282,7 +320,7 @@ def main(argv=None) -> str:
         for length in lengths:
             for batch in batches:
                 spec = {"model": folder, "length": length, "batch": batch, "steps": steps, "fp32": args.fp32,
-                        "device": args.device, "qlora": args.qlora,
+                        "device": args.device, "qlora": args.qlora, "profile": args.profile,
                         "out": str(Path(tmp) / "out"), "data": str(Path(tmp) / f"data-{length}-{batch}.json")}
                 rows = make_rows(folder, length, steps * batch)
                 rows["behavior_logps"] = behavior_logps(folder, rows, spec)
@@ -291,7 +329,7 @@ def main(argv=None) -> str:
                 for rep in range(args.reps):
                     shift = rep % len(trainers)
                     for name in trainers[shift:] + trainers[:shift]:
-                        runs[name].append(run_worker(dict(spec, trainer=name)))
+                        runs[name].append(run_worker(dict(spec, trainer=name, profile=args.profile and rep == 0)))
                 results.append((length, batch, runs))
                 print(f"done L={length} B={batch} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
 
@@ -339,6 +377,14 @@ def main(argv=None) -> str:
     print(f"{ARCHS[arch]}, {precision}, {where}, prompt {PROMPT_TOKENS} tokens, {steps} steps, {args.reps} rep(s)"
           f"{extra}; {time.perf_counter() - t0:.0f} s in all\n")
     print(table)
+    for length, batch, runs in results:
+        for name, r in runs.items():
+            if "profile" in r[0]:
+                unit = "device" if args.device == "cuda" else "CPU"
+                print(f"\n{name}, L={length}, batch {batch}: {unit} self time per profiled step (ms)\n")
+                print(f"| operator | ms/step | calls/step |\n|---|---|---|")
+                for op, ms, calls in r[0]["profile"]:
+                    print(f"| {op.replace('|', '/')} | {ms:.2f} | {'' if calls is None else calls} |")
     return table
 
 

@@ -27,6 +27,19 @@ def test_cost_benchmark_prints_ratio_table(capsys):
     assert len(rows[0].split("|")) == len(header.split("|"))
 
 
+def test_cost_benchmark_profiles_each_trainer(capsys):
+    load("cost").main(["--quick", "--steps", "3", "--lengths", "16", "--batches", "2", "--trainers", "SFT", "TOPR",
+                       "--profile"])
+    out = capsys.readouterr().out
+    for name in ("SFT", "TOPR"):
+        section = out.split(f"{name}, L=16, batch 2: CPU self time per profiled step (ms)")[1].split("\n\n")[1]
+        _header, _rule, total, *rows = section.splitlines()
+        assert total.startswith("| all operators |")
+        ms = [float(row.split("|")[-3]) for row in rows]
+        assert 0 < ms[-1] and ms == sorted(ms, reverse=True) and sum(ms) <= float(total.split("|")[2])
+        assert any("mm" in row for row in rows)  # the matrix products are among a step's costliest operators
+
+
 def test_learning_benchmark_runs_every_method(capsys, tmp_path):
     learning = load("learning")
     table = learning.main(["--scale", "fast", "--quick", "--out", str(tmp_path)])
