@@ -2,13 +2,14 @@
 # Validation on one CUDA GPU (docs/benchmarks.md, "On a GPU"): run some or all of its parts, each under a time limit,
 # each part's full log in $GPU_LOGS (default outputs/gpu), the end of each log printed.
 #
-#   bash benchmarks/gpu.sh                        # all parts: tests cost qlora sampling recipe
+#   bash benchmarks/gpu.sh                        # all parts: tests cost qlora profile sampling recipe
 #   bash benchmarks/gpu.sh tests qlora            # some of them
 #
 #   tests     the GPU-marked tests (`pytest -m gpu`): NF4 QLoRA training, its gradient against the dequantized model,
 #             the saved adapter reloaded, the vLLM engine (where vLLM is installed)
 #   cost      TOPRTrainer against SFTTrainer, Qwen2.5-0.5B's architecture, bf16: step time, peak memory, MFU
 #   qlora     the same in NF4 QLoRA
+#   profile   cost's L=1024 cell under torch.profiler: each trainer's device time and its costliest operators
 #   sampling  generate_completions against plain model.generate, SmolLM2-135M-Instruct (add --vllm where installed)
 #   recipe    one short round of recipes/gsm8k.py with the quick GPU config (recipes/configs/qwen2.5_0.5b.yaml) on
 #             $GSM8K_MODEL (default: the embedded SmolLM2-135M-Instruct) and $GSM8K_PATH (default: the Hub's GSM8K)
@@ -32,7 +33,7 @@ run() {  # run NAME LIMIT_S COMMAND...: its log to $LOGS/NAME.log, its exit stat
 }
 
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tests cost qlora sampling recipe)
+[ ${#parts[@]} -eq 0 ] && parts=(tests cost qlora profile sampling recipe)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python -c "import torch, transformers, trl, peft; print('torch', torch.__version__, '| transformers',
 transformers.__version__, '| trl', trl.__version__, '| peft', peft.__version__)"
@@ -43,6 +44,8 @@ for part in "${parts[@]}"; do
             --lengths 256 1024 --batches 8 --steps 10 ;;
         qlora) run qlora 420 python benchmarks/cost.py --device cuda --arch qwen2.5-0.5b --trainers SFT TOPR --qlora \
             --lengths 256 1024 --batches 8 --steps 10 ;;
+        profile) run profile 420 python benchmarks/cost.py --device cuda --arch qwen2.5-0.5b --trainers SFT TOPR \
+            --lengths 1024 --batches 8 --steps 6 --profile ;;
         sampling) run sampling 300 python benchmarks/sampling.py --num_samples 8 --max_new_tokens 256 \
             --batch_size 32 --reps 3 ;;
         recipe)
@@ -52,6 +55,6 @@ for part in "${parts[@]}"; do
             run recipe 540 python recipes/gsm8k.py --config recipes/configs/qwen2.5_0.5b.yaml \
                 --model_name_or_path "$model" "${data[@]}" --num_train_prompts 128 --num_eval_prompts 128 \
                 --num_rounds 1 --output_dir "$LOGS/recipe-model" ;;
-        *) echo "unknown part: $part (tests cost qlora sampling recipe)"; exit 2 ;;
+        *) echo "unknown part: $part (tests cost qlora profile sampling recipe)"; exit 2 ;;
     esac
 done
