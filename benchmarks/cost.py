@@ -233,7 +233,9 @@ def top_operators(profiler, cuda: bool, steps: int, limit: int = 12) -> list:
     averages = profiler.key_averages()
     if cuda:
         total = sum(e.self_device_time_total for e in averages if e.device_type == DeviceType.CUDA)
-        events = [(e, e.self_device_time_total) for e in averages if e.device_type == DeviceType.CPU]
+        # "Activity Buffer Request" is the profiler's own bookkeeping, not an operator of the step
+        events = [(e, e.self_device_time_total) for e in averages
+                  if e.device_type == DeviceType.CPU and e.key != "Activity Buffer Request"]
     else:
         events = [(e, e.self_cpu_time_total) for e in averages]
         total = sum(time for _, time in events)
