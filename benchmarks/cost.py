@@ -130,8 +130,13 @@ def common_args(spec: dict) -> dict:
     }
 
 
-def qlora_configs() -> dict:
-    """NF4 4-bit base with bf16 compute and LoRA r=16 on every linear layer: the QLoRA setup of the recipes."""
+def qlora_configs(spec: dict) -> dict:
+    """
+    With `spec["qlora"]`, the trainer keywords of an NF4 4-bit base with bf16 compute and LoRA r=16 on every linear
+    layer (the QLoRA setup of the recipes); none otherwise.
+    """
+    if not spec.get("qlora"):
+        return {}
     import torch
     from peft import LoraConfig
     from transformers import BitsAndBytesConfig
@@ -195,7 +200,7 @@ def worker(spec: dict) -> dict:
 
     rows = json.loads(Path(spec["data"]).read_text())
     name, model, kw = spec["trainer"], spec["model"], common_args(spec)
-    qlora = qlora_configs() if spec.get("qlora") else {}
+    qlora = qlora_configs(spec)
     threading.Thread(target=sample, daemon=True).start()
     start = time.perf_counter()
     if name == "SFT":
@@ -252,7 +257,7 @@ def behavior_logps(folder: str, rows: dict, spec: dict) -> list:
     from trl_topr import TOPRConfig, TOPRTrainer
 
     trainer = TOPRTrainer(folder, args=TOPRConfig(**common_args(spec)), train_dataset=Dataset.from_dict(rows),
-                          **(qlora_configs() if spec.get("qlora") else {}))
+                          **qlora_configs(spec))
     return [list(v) for v in trainer.train_dataset["behavior_logps"]]
 
 
