@@ -35,6 +35,9 @@ MFU = those FLOPs per second over the bf16 matrix-product rate measured on the s
 each trainer's total and its operators with the most self time (on CUDA: the device time of the kernels they launch;
 on CPU: CPU time): where a trainer's step goes, to explain a ratio. The profiler's overhead makes those steps slower;
 their times still enter s/step.
+
+Writes `results.json` (every run's step times, totals and peaks) and `table.md`, with their provenance, to --out
+(default benchmarks/results/cost, cost-cuda on a GPU, outputs/ with --quick).
 """
 
 import argparse
@@ -47,6 +50,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from provenance import save
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -303,8 +308,13 @@ def main(argv=None) -> str:
     parser.add_argument("--qlora", action="store_true", help="4-bit NF4 base + LoRA for SFT and TOPR (CUDA)")
     parser.add_argument("--trainers", nargs="+", choices=TRAINERS, default=TRAINERS, help="trainers to compare")
     parser.add_argument("--profile", action="store_true", help="print each trainer's top operators (torch.profiler)")
+    parser.add_argument("--out", help="results folder (default: benchmarks/results/cost[-cuda][-qlora][-profile], "
+                                      "outputs/ with --quick)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    name = "cost" + "-cuda" * (args.device == "cuda") + "-qlora" * args.qlora + "-profile" * args.profile
+    out = Path(args.out or ROOT / (f"outputs/{name}-quick" if args.quick else f"benchmarks/results/{name}"))
+    started = time.time()
     if args.worker:
         print("RESULT " + json.dumps(worker(json.loads(Path(args.worker).read_text()))), flush=True)
         return ""
@@ -381,17 +391,24 @@ def main(argv=None) -> str:
     if args.qlora:
         precision = "NF4 4-bit base + LoRA r=16 (all linear layers), " + precision
     extra = "; KTO = policy + reference forwards on matched and mismatched (KL) pairs" if kto else ""
-    print(f"{ARCHS[arch]}, {precision}, {where}, prompt {PROMPT_TOKENS} tokens, {steps} steps, {args.reps} rep(s)"
-          f"{extra}; {time.perf_counter() - t0:.0f} s in all\n")
-    print(table)
+    title = (f"{ARCHS[arch]}, {precision}, {where}, prompt {PROMPT_TOKENS} tokens, {steps} steps, {args.reps} rep(s)"
+             f"{extra}; {time.perf_counter() - t0:.0f} s in all")
+    profiles = []
     for length, batch, runs in results:
         for name, r in runs.items():
             if "profile" in r[0]:
                 unit = "device" if args.device == "cuda" else "CPU"
-                print(f"\n{name}, L={length}, batch {batch}: {unit} self time per profiled step (ms)\n")
-                print(f"| operator | ms/step | calls/step |\n|---|---|---|")
-                for op, ms, calls in r[0]["profile"]:
-                    print(f"| {op.replace('|', '/')} | {ms:.2f} | {'' if calls is None else calls} |")
+                profiles.append(f"{name}, L={length}, batch {batch}: {unit} self time per profiled step (ms)\n")
+                profiles.append("| operator | ms/step | calls/step |\n|---|---|---|\n" + "\n".join(
+                    f"| {op.replace('|', '/')} | {ms:.2f} | {'' if calls is None else calls} |"
+                    for op, ms, calls in r[0]["profile"]) + "\n")  # fmt: skip
+    report = "\n".join([f"{title}\n", table, *(["", *profiles] if profiles else [])])
+    print(report)
+    cells = [{"length": length, "batch": batch, "runs": runs} for length, batch, runs in results]
+    settings = {"arch": ARCHS[arch], "precision": precision, "device": where, "prompt_tokens": PROMPT_TOKENS,
+                "steps": steps, "reps": args.reps, "matmul_params": params, "peak_tflops": peak_tflops}
+    save(out, {"results.json": {"title": title, "settings": settings, "cells": cells}, "table.md": report + "\n"},
+         script=__file__, argv=argv, started=started)
     return table
 
 

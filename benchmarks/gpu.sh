@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Validation on one CUDA GPU (docs/benchmarks.md, "On a GPU"): run some or all of its parts, each under a time limit,
-# each part's full log in $GPU_LOGS (default outputs/gpu), the end of each log printed.
+# each part's full log in $GPU_LOGS (default outputs/gpu), the end of each log printed. Each part runs through
+# benchmarks/provenance.py, which records its command, commit, GPU and versions in $GPU_LOGS/provenance.json; the
+# benchmarks' own results (results.json, table.md) go to $GPU_LOGS/<part>/. Copy the folder to
+# benchmarks/results/gpu-<name>/ to publish it.
 #
 #   bash benchmarks/gpu.sh                        # all parts: tests cost qlora profile sampling recipe
 #   bash benchmarks/gpu.sh tests qlora            # some of them
@@ -22,11 +25,11 @@ LOGS=${GPU_LOGS:-outputs/gpu}
 mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1
 
-run() {  # run NAME LIMIT_S COMMAND...: its log to $LOGS/NAME.log, its exit status and time printed
+run() {  # run NAME LIMIT_S COMMAND...: its log to $LOGS/NAME.log, recorded; its exit status and time printed
     local name=$1 limit=$2 start=$SECONDS
     shift 2
     echo "== $name: $*"
-    timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
+    python benchmarks/provenance.py "$LOGS" --append --log "$name.log" -- timeout "$limit" "$@" >/dev/null
     local status=$?
     tail -n 30 "$LOGS/$name.log"
     echo "== $name: exit $status in $((SECONDS - start)) s"
@@ -41,20 +44,20 @@ for part in "${parts[@]}"; do
     case $part in
         tests) run tests 420 python -m pytest -q -m gpu -rs tests ;;
         cost) run cost 420 python benchmarks/cost.py --device cuda --arch qwen2.5-0.5b --trainers SFT TOPR \
-            --lengths 256 1024 --batches 8 --steps 10 ;;
+            --lengths 256 1024 --batches 8 --steps 10 --out "$LOGS/cost" ;;
         qlora) run qlora 420 python benchmarks/cost.py --device cuda --arch qwen2.5-0.5b --trainers SFT TOPR --qlora \
-            --lengths 256 1024 --batches 8 --steps 10 ;;
+            --lengths 256 1024 --batches 8 --steps 10 --out "$LOGS/qlora" ;;
         profile) run profile 420 python benchmarks/cost.py --device cuda --arch qwen2.5-0.5b --trainers SFT TOPR \
-            --lengths 1024 --batches 8 --steps 6 --profile ;;
+            --lengths 1024 --batches 8 --steps 6 --profile --out "$LOGS/profile" ;;
         sampling) run sampling 300 python benchmarks/sampling.py --num_samples 8 --max_new_tokens 256 \
-            --batch_size 32 --reps 3 ;;
+            --batch_size 32 --reps 3 --out "$LOGS/sampling" ;;
         recipe)
             model=${GSM8K_MODEL:-$(python -c "from trl_topr.embedded import smollm2_path; print(smollm2_path())")}
             data=()
             [ -n "${GSM8K_PATH:-}" ] && data=(--dataset_path "$GSM8K_PATH")
             run recipe 540 python recipes/gsm8k.py --config recipes/configs/qwen2.5_0.5b.yaml \
                 --model_name_or_path "$model" "${data[@]}" --num_train_prompts 128 --num_eval_prompts 128 \
-                --num_rounds 1 --output_dir "$LOGS/recipe-model" ;;
+                --num_rounds 1 --output_dir outputs/gpu-recipe-model ;;
         *) echo "unknown part: $part (tests cost qlora profile sampling recipe)"; exit 2 ;;
     esac
 done

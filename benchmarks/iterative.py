@@ -40,6 +40,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from provenance import save  # noqa: E402
 
 # name -> TOPRConfig options of a loop method, or None for GRPO
 METHODS = {
@@ -286,7 +287,8 @@ def main(argv=None) -> str:
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, 2 rounds")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     parser.add_argument("--work", help="runs, resumable (default: outputs/iterative-<scale>[-quick])")
-    parser.add_argument("--out", help="results (default: benchmarks/results/iterative-<scale>[-quick])")
+    parser.add_argument("--out", help="results (default: benchmarks/results/iterative-<scale>, "
+                                      "outputs/iterative-<scale>-results-quick with --quick)")
     parser.add_argument("--time_limit", type=float, help="minutes: stop after the run that crosses it")
     parser.add_argument("--report_only", action="store_true", help="write the finished runs' results, train nothing")
     parser.add_argument("--use_vllm", action=argparse.BooleanOptionalAction, default=None,
@@ -294,7 +296,9 @@ def main(argv=None) -> str:
     args = parser.parse_args(argv)
     suffix = f"{args.scale}{'-quick' if args.quick else ''}"
     work = Path(args.work or ROOT / "outputs" / f"iterative-{suffix}")
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"iterative-{suffix}")
+    out = Path(args.out or ROOT / (f"outputs/iterative-{args.scale}-results-quick" if args.quick
+                                   else f"benchmarks/results/iterative-{args.scale}"))  # fmt: skip
+    started = time.time()
     if args.use_vllm is None:
         import importlib.util
 
@@ -345,8 +349,11 @@ def main(argv=None) -> str:
         if sweep is None:
             continue
         best = best_rate(sweep)
-        runs = [run(method, best, seed) for seed in range(setting["seeds"]) if available(method, best, seed)]
-        results["methods"][method] = {"lr": best, "sweep": {f"{lr:g}": v for lr, v in sweep.items()}, "runs": runs}
+        seeds = [seed for seed in range(setting["seeds"]) if available(method, best, seed)]
+        runs = [run(method, best, seed) for seed in seeds]
+        validation = [json.loads((work / method / f"lr{best:g}" / f"seed{seed}" / "done").read_text()) for seed in seeds]
+        results["methods"][method] = {"lr": best, "sweep": {f"{lr:g}": v for lr, v in sweep.items()}, "runs": runs,
+                                      "validation": [{k: v[k] for k in ("pass@1", "pass@1_greedy")} for v in validation]}
     finished = all(len(results["methods"].get(m, {"runs": []})["runs"]) == setting["seeds"] for m in args.methods)
 
     results["title"] = (f"{setting['description']}: {setting['prompts']} prompts x {setting['num_samples']} samples "
@@ -356,12 +363,12 @@ def main(argv=None) -> str:
     results["seconds_this_call"] = round(time.perf_counter() - t0)
     table, diagnosis = summarize(results)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    (out / "table.md").write_text(f"{results['title']}\n\n{table}\n")
-    (out / "diagnosis.md").write_text(f"{results['title']}\n\n{diagnosis}\n")
-    (out / "sweep.md").write_text(f"{results['title']}\n\n{sweep_table(work, args.methods, setting['rounds'])}\n")
     if results["methods"]:
         plot(results, out / "iterative.png")
+    files = {"results.json": results, "table.md": f"{results['title']}\n\n{table}\n",
+             "diagnosis.md": f"{results['title']}\n\n{diagnosis}\n",
+             "sweep.md": f"{results['title']}\n\n{sweep_table(work, args.methods, setting['rounds'])}\n"}
+    save(out, files, script=__file__, argv=argv, started=started, append=True)  # a record per call: it resumes
     status = "complete" if finished else "stopped at the time limit: run the same command again to go on"
     print(f"{results['title']}; {results['seconds_this_call']} s this call, {status}\n\n{table}\n\n{diagnosis}")
     return table

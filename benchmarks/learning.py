@@ -16,7 +16,8 @@ per-token TOPR, a target_positive_fraction sweep) and TRL's KTOTrainer and DPOTr
    epoch: greedy pass@1, sampled pass@1, invalid and truncated rates, mean sample length, and the mean sequence
    log-prob of the positive and of the negative training completions (the same fixed subset for every method).
 
-Writes `results.json`, `table.md` and `learning.png` to --out (default benchmarks/results/learning-<scale>).
+Writes `results.json`, `table.md` and `learning.png`, with their provenance, to --out (default
+benchmarks/results/learning-<scale>, outputs/learning-<scale>-quick with --quick).
 """
 
 import argparse
@@ -28,6 +29,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from provenance import save
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -314,11 +317,14 @@ def main(argv=None) -> str:
     parser.add_argument("--seeds", type=int, help="training seeds (default: 3 fast, 1 real)")
     parser.add_argument("--epochs", type=int, help="epochs over the dataset")
     parser.add_argument("--lr", type=float, help="learning rate (default: 1e-4 fast, 2e-5 real)")
-    parser.add_argument("--out", help="output folder (default: benchmarks/results/learning-<scale>[-quick])")
+    parser.add_argument("--out", help="output folder (default: benchmarks/results/learning-<scale>, "
+                                      "outputs/learning-<scale>-quick with --quick)")
     args = parser.parse_args(argv)
     if "topr" not in args.methods:
         args.methods.insert(0, "topr")  # the reference of the comparison
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"learning-{args.scale}{'-quick' if args.quick else ''}")
+    out = Path(args.out or ROOT / (f"outputs/learning-{args.scale}-quick" if args.quick
+                                   else f"benchmarks/results/learning-{args.scale}"))  # fmt: skip
+    started = time.time()
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -369,9 +375,9 @@ def main(argv=None) -> str:
     results["seconds"] = round(time.perf_counter() - t0)
     table = summarize(results)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    (out / "table.md").write_text(f"{results['title']}; {results['seconds']} s in all\n\n{table}\n")
     plot(results, out / "learning.png")
+    save(out, {"results.json": results, "table.md": f"{results['title']}; {results['seconds']} s in all\n\n{table}\n"},
+         script=__file__, argv=argv, started=started)
     print(f"{results['title']}; {results['seconds']} s in all\n")
     print(table)
     return table

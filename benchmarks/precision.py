@@ -3,6 +3,8 @@
     python benchmarks/precision.py           # 1024 x 1024 matmuls, 2 s per precision
     python benchmarks/precision.py --quick   # 64 x 64, a fraction of a second (tests/test_benchmarks.py)
 
+Writes `results.json` and `table.md`, with their provenance, to --out (default benchmarks/results/precision).
+
 The two precisions alternate `--reps` times (medians reported), on the CPU or on the GPU that training would use. The
 rule ([`trl_topr.precision.has_native_bf16`]) does not measure: this command checks it against the hardware.
 """
@@ -10,6 +12,9 @@ rule ([`trl_topr.precision.has_native_bf16`]) does not measure: this command che
 import argparse
 import statistics
 import time
+from pathlib import Path
+
+from provenance import ROOT, save
 
 
 def gflops(dtype, size: int, seconds: float, device: str) -> float:
@@ -32,7 +37,10 @@ def main(argv=None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small matrices, short timings (smoke run)")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", help="results folder (default: benchmarks/results/precision, outputs/ with --quick)")
     args = parser.parse_args(argv)
+    out = Path(args.out or ROOT / ("outputs/precision-quick" if args.quick else "benchmarks/results/precision"))
+    started = time.time()
 
     import torch
 
@@ -53,7 +61,13 @@ def main(argv=None) -> str:
         "|---|---|---|---|---|",
         f"| {device} | {fp32:.1f} | {bf16:.1f} | {bf16 / fp32:.2f} | {picked} |",
     ])
-    print(f"{size} x {size} matmuls, median of {args.reps} alternating reps; CPU: {cpu}\n")
+    title = f"{size} x {size} matmuls, median of {args.reps} alternating reps; CPU: {cpu}"
+    results = {"device": device, "size": size, "reps": args.reps, "fp32_gflops": fp32, "bf16_gflops": bf16,
+               "bf16_over_fp32": bf16 / fp32, "picks": picked, "cpu": cpu,
+               "all_gflops": {"fp32": rates[torch.float32], "bf16": rates[torch.bfloat16]}}  # fmt: skip
+    save(out, {"results.json": results, "table.md": f"{title}\n\n{table}\n"}, script=__file__, argv=argv,
+         started=started)
+    print(f"{title}\n")
     print(table)
     return table
 

@@ -17,6 +17,9 @@ Tokens/s counts generated tokens (sampling) and all tokens of the scored sequenc
 With --vllm, first, alternating too: `generate_completions` with a colocated vLLM engine (`use_vllm=True`) against
 `generate_completions` with transformers, on the same prompts and settings; plus the engine's start-up and its
 per-round weight reload from a saved folder, and the throughput of one loop round's sampling counting both.
+
+Writes `results.json` and `table.md`, with their provenance, to --out (default benchmarks/results/sampling, or
+sampling-vllm with --vllm).
 """
 
 import argparse
@@ -26,6 +29,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from provenance import save
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -102,7 +107,12 @@ def main(argv=None) -> str:
     parser.add_argument("--max_new_tokens", type=int, default=32)
     parser.add_argument("--batch_size", type=int, default=16, help="prompts per generate call / rows per forward")
     parser.add_argument("--vllm", action="store_true", help="add the vLLM backend (needs vLLM)")
+    parser.add_argument("--out", help="results folder (default: benchmarks/results/sampling[-vllm], outputs/ with "
+                                      "--quick)")
     args = parser.parse_args(argv)
+    name = "sampling" + ("-vllm" if args.vllm else "")
+    out = Path(args.out or ROOT / (f"outputs/{name}-quick" if args.quick else f"benchmarks/results/{name}"))
+    started = time.time()
 
     import torch
     from datasets import Dataset
@@ -122,8 +132,8 @@ def main(argv=None) -> str:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to("cuda" if cuda else "cpu").eval()
         settings = {"num_samples": args.num_samples, "max_new_tokens": args.max_new_tokens,
                     "batch_size": args.batch_size}
-        if args.vllm:
-            vllm_table = vllm_comparison(model, tokenizer, prompts, work, args, settings)
+        vllm_table, vllm_results = vllm_comparison(model, tokenizer, prompts, work, args, settings) if args.vllm \
+            else ("", None)
         times = {"sampler": [], "generate": [], "precompute": [], "forward": []}
         tokens = {}
         for rep in range(args.reps):
@@ -183,10 +193,16 @@ def main(argv=None) -> str:
     table = "\n".join(lines)
     model_name = "tiny 2-layer Llama (conftest)" if args.quick else "SmolLM2-135M-Instruct"
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    print(f"{model_name}, {str(dtype).removeprefix('torch.')} weights, {device}: {len(prompts)} prompts x {args.num_samples} samples, "
-          f"{args.max_new_tokens} new tokens, batch {args.batch_size}; precompute in {precision}; "
-          f"median of {args.reps} alternating reps; weights hash (the cache key of datasets read from files) {hash_s:.2f} s; tokens per rep: "
-          + ", ".join(f"{name} {count}" for name, count in tokens.items()) + "\n")
+    title = (f"{model_name}, {str(dtype).removeprefix('torch.')} weights, {device}: {len(prompts)} prompts x "
+             f"{args.num_samples} samples, {args.max_new_tokens} new tokens, batch {args.batch_size}; precompute in "
+             f"{precision}; median of {args.reps} alternating reps; weights hash (the cache key of datasets read from "
+             "files) " f"{hash_s:.2f} s; tokens per rep: " + ", ".join(f"{k} {v}" for k, v in tokens.items()))
+    results = {"title": title, "settings": {**settings, "reps": args.reps, "model": model_name, "device": device,
+                                            "precompute_precision": precision},
+               "tokens_per_s": rate, "tokens": tokens, "seconds": times, "hash_seconds": hash_s, "vllm": vllm_results}
+    report = (vllm_table + "\n\n" if args.vllm else "") + f"{title}\n\n{table}\n"
+    save(out, {"results.json": results, "table.md": report}, script=__file__, argv=argv, started=started)
+    print(f"{title}\n")
     print(table)
     return table if not args.vllm else vllm_table + "\n\n" + table
 
@@ -229,10 +245,13 @@ def vllm_comparison(model, tokenizer, prompts, work, args, settings) -> str:
              f"| vLLM, one round with the engine start-up | {tokens['vllm'] / (statistics.median(times['vllm']) + start_s):.0f} | "
              f"{tokens['vllm'] / (statistics.median(times['vllm']) + start_s) / rate['transformers']:.2f} |"]  # fmt: skip
     table = "\n".join(lines)
-    print(f"vLLM against transformers, fp32, {len(prompts)} prompts x {args.num_samples} samples, "
-          f"{args.max_new_tokens} new tokens, batch {args.batch_size}, median of {args.reps} alternating reps: "
-          f"engine start-up {start_s:.0f} s, weight reload {statistics.median(reload_s):.2f} s\n\n{table}\n")
-    return table
+    title = (f"vLLM against transformers, fp32, {len(prompts)} prompts x {args.num_samples} samples, "
+             f"{args.max_new_tokens} new tokens, batch {args.batch_size}, median of {args.reps} alternating reps: "
+             f"engine start-up {start_s:.0f} s, weight reload {statistics.median(reload_s):.2f} s")
+    print(f"{title}\n\n{table}\n")
+    results = {"title": title, "tokens_per_s": rate, "round_tokens_per_s": vllm_round, "tokens": tokens,
+               "seconds": times, "start_seconds": start_s, "reload_seconds": reload_s}
+    return f"{title}\n\n{table}", results
 
 
 if __name__ == "__main__":

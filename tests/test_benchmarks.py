@@ -4,20 +4,38 @@ learning are measured by the benchmarks themselves, side by side, never by timed
 import importlib.util
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def load(name: str):
+    if str(BENCHMARKS) not in sys.path:  # as when the script runs: its folder first, for `provenance`
+        sys.path.insert(0, str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location(f"{name}_benchmark", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def test_cost_benchmark_prints_ratio_table(capsys):
-    table = load("cost").main(["--quick", "--steps", "2", "--lengths", "16", "--batches", "2"])
+def check_provenance(folder: Path, command: str) -> dict:
+    """The folder's record names the command that wrote it, a commit of this repository, the machine and versions."""
+    (run,) = json.loads((folder / "provenance.json").read_text())["runs"]
+    assert run["command"] == command
+    root = BENCHMARKS.parent
+    if (root / ".git").exists():
+        subprocess.run(["git", "cat-file", "-e", f"{run['commit']}^{{commit}}"], cwd=root, check=True)
+        assert isinstance(run["dirty"], bool)
+    assert run["machine"]["cpu"] and run["machine"]["cores"] >= 1 and run["seconds"] >= 0
+    assert {"torch", "transformers", "trl", "peft"} <= set(run["versions"]) and run["started"].startswith("20")
+    return run
+
+
+def test_cost_benchmark_prints_ratio_table(capsys, tmp_path):
+    options = ["--quick", "--steps", "2", "--lengths", "16", "--batches", "2", "--out", str(tmp_path)]
+    table = load("cost").main(options)
     out = capsys.readouterr().out
     assert table in out
     header, _rule, *rows = table.splitlines()
@@ -25,11 +43,16 @@ def test_cost_benchmark_prints_ratio_table(capsys):
         assert column in header
     assert len(rows) == 1 and rows[0].startswith("| 16 | 2 |")
     assert len(rows[0].split("|")) == len(header.split("|"))
+    check_provenance(tmp_path, "python benchmarks/cost.py " + " ".join(options))
+    results = json.loads((tmp_path / "results.json").read_text())
+    (cell,) = results["cells"]
+    assert set(cell["runs"]) == {"SFT", "TOPR", "TOPR+pre", "KTO"} and len(cell["runs"]["SFT"][0]["times"]) == 2
+    assert table in (tmp_path / "table.md").read_text()
 
 
-def test_cost_benchmark_profiles_each_trainer(capsys):
+def test_cost_benchmark_profiles_each_trainer(capsys, tmp_path):
     load("cost").main(["--quick", "--steps", "3", "--lengths", "16", "--batches", "2", "--trainers", "SFT", "TOPR",
-                       "--profile"])
+                       "--profile", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     for name in ("SFT", "TOPR"):
         section = out.split(f"{name}, L=16, batch 2: CPU self time per profiled step (ms)")[1].split("\n\n")[1]
@@ -52,23 +75,51 @@ def test_learning_benchmark_runs_every_method(capsys, tmp_path):
         (epoch,) = results["methods"][method][0]  # one seed, one epoch
         assert {"pass@1_greedy", "invalid_rate", "truncated_rate", "logp_positive", "logp_negative"} <= set(epoch)
     assert (tmp_path / "learning.png").stat().st_size > 0 and (tmp_path / "table.md").exists()
+    check_provenance(tmp_path, f"python benchmarks/learning.py --scale fast --quick --out {tmp_path}")
 
 
-def test_sampling_benchmark_prints_ratio_table(capsys):
-    table = load("sampling").main(["--quick", "--reps", "1", "--max_new_tokens", "4"])
+def test_sampling_benchmark_prints_ratio_table(capsys, tmp_path):
+    table = load("sampling").main(["--quick", "--reps", "1", "--max_new_tokens", "4", "--out", str(tmp_path)])
     assert table in capsys.readouterr().out
     header, _rule, *rows = table.splitlines()
     assert "ratio" in header
     assert [row.split("|")[1].strip() for row in rows] == ["sampling", "precompute",
                                                          "precompute's forward alone (fused LM head)"]
     assert all(float(row.split("|")[4]) > 0 for row in rows)
+    check_provenance(tmp_path, f"python benchmarks/sampling.py --quick --reps 1 --max_new_tokens 4 --out {tmp_path}")
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert set(results["tokens_per_s"]) == {"sampler", "generate", "precompute", "forward", "fused"}
 
 
-def test_precision_benchmark_prints_both_precisions_and_the_choice(capsys):
-    table = load("precision").main(["--quick", "--reps", "1"])
+def test_precision_benchmark_prints_both_precisions_and_the_choice(capsys, tmp_path):
+    table = load("precision").main(["--quick", "--reps", "1", "--out", str(tmp_path)])
     assert table in capsys.readouterr().out
     header, _rule, row = table.splitlines()
     assert "bf16/fp32" in header and row.split("|")[-2].strip() in ("bf16", "fp32")
+    check_provenance(tmp_path, f"python benchmarks/precision.py --quick --reps 1 --out {tmp_path}")
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["picks"] == row.split("|")[-2].strip() and results["fp32_gflops"] > 0
+
+
+def test_provenance_command_records_a_command_its_log_and_kept_files(tmp_path):
+    # Any command (a recipe, the GPU tests) runs through provenance.py, which records it like a benchmark's results.
+    out = tmp_path / "out"
+    script = "from pathlib import Path; import os, sys; Path(sys.argv[1], 'kept.json').write_text('{}'); " \
+             "Path(sys.argv[1], 'dropped.bin').write_text('x'); print('isa', os.environ['ATEN_CPU_CAPABILITY'])"
+    command = [sys.executable, str(BENCHMARKS / "provenance.py"), str(out), "--keep", "*.json", "--env",
+               "ATEN_CPU_CAPABILITY=avx2", "--", "python", "-c", script, "{work}"]
+    status = subprocess.run(command, capture_output=True, text=True)
+    assert status.returncode == 0, status.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["kept.json", "log.txt", "provenance.json"]
+    assert (out / "log.txt").read_text() == "isa avx2\n"
+    (run,) = json.loads((out / "provenance.json").read_text())["runs"]
+    assert run["command"].startswith("ATEN_CPU_CAPABILITY=avx2 python -c ") and run["command"].endswith(" '{work}'")
+    assert run["exit_status"] == 0 and run["env"] == {"ATEN_CPU_CAPABILITY": "avx2"} and run["log"] == "log.txt"
+    # a failing command is recorded with its status, and the tool exits with it
+    failed = subprocess.run([*command[:3], "--append", "--log", "fail.txt", "--", "python", "-c", "exit(3)"])
+    assert failed.returncode == 3
+    runs = json.loads((out / "provenance.json").read_text())["runs"]
+    assert [r["exit_status"] for r in runs] == [0, 3] and runs[1]["log"] == "fail.txt"
 
 
 def test_iterative_benchmark_resumes_and_gives_every_method_the_same_budget(capsys, tmp_path):
@@ -87,7 +138,8 @@ def test_iterative_benchmark_resumes_and_gives_every_method_the_same_budget(caps
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     budgets = set()
     for method, entry in results["methods"].items():
-        assert len(entry["runs"]) == iterative.QUICK["seeds"]
+        assert len(entry["runs"]) == len(entry["validation"]) == iterative.QUICK["seeds"]
+        assert all(0.0 <= seed["pass@1"] <= 1.0 for seed in entry["validation"])  # every seed's validation score
         for run in entry["runs"]:
             assert [r["round"] for r in run] == list(range(iterative.QUICK["rounds"] + 1))
             budgets.add(tuple(r["sampled_completions"] for r in run))
@@ -106,6 +158,10 @@ def test_iterative_benchmark_resumes_and_gives_every_method_the_same_budget(caps
     partial = iterative.main(options + ["--report_only"])
     assert partial.split("\n\n")[0].splitlines()[2:] == table.split("\n\n")[0].splitlines()[2:-1]
     assert not (tmp_path / "work" / "grpo").exists()
+    # each call that wrote the results is recorded: the results accumulate over calls (and commits)
+    runs = json.loads((tmp_path / "out" / "provenance.json").read_text())["runs"]
+    command = "python benchmarks/iterative.py " + " ".join(options)
+    assert [run["command"] for run in runs] == [f"{command} --time_limit 0", command, f"{command} --report_only"]
 
 
 def test_iterative_sweep_climbs_the_grid_and_stops_past_the_peak():

