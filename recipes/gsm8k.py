@@ -35,6 +35,7 @@ import time
 
 START = time.monotonic()  # before the imports: the elapsed time of the summary is the whole run's
 
+import trl_topr  # noqa: E402, F401  (first: it quiets the import-time notices of bitsandbytes and DeepSpeed)
 import json  # noqa: E402
 import logging  # noqa: E402
 import random  # noqa: E402

@@ -2,6 +2,11 @@
 
 __version__ = "0.1.0"
 
+from .quiet import silence_unactionable_notices
+
+
+silence_unactionable_notices()  # before PEFT imports bitsandbytes and accelerate imports DeepSpeed
+
 from .composition import baseline_for_positive_fraction, effective_positive_fraction
 from .config import TOPRConfig
 from .curation import anna_karenina, baseline_for_target, composition_report, rebalance
