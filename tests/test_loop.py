@@ -94,16 +94,30 @@ def test_loop_runs_rounds_writes_metrics_and_resumes(tiny_model_path, tmp_path):
     samples = [json.loads(line) for line in (round_1 / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 8 and all("behavior_logps" in s for s in samples)
 
-    # Killed in round 2: a partial folder and no metrics line. Restarted with 2 rounds: round 1 is not redone,
-    # round 2 is redone from its start.
+    # Killed in round 2 while its metrics line was being written: a partial folder and a cut last line. Restarted
+    # with 2 rounds: round 1 is not redone, round 2 is redone from its start, and the cut line is replaced.
     model_time = (round_1 / "model.safetensors").stat().st_mtime_ns
     (tmp_path / "loop" / "round-2").mkdir()
     (tmp_path / "loop" / "round-2" / "partial").write_text("interrupted")
-    rounds = run_topr_loop(tiny_model_path, prompts(4), correct, args, num_rounds=2, **kwargs)
+    metrics = tmp_path / "loop" / "metrics.jsonl"
+    complete = metrics.read_text()
+    metrics.write_text(complete + json.dumps({"round": 2, **rounds[1]})[:40])
+    with pytest.warns(UserWarning, match="ends with a cut line"):
+        assert read_rounds(str(tmp_path / "loop")) == rounds
+    with pytest.warns(UserWarning, match="ends with a cut line"):
+        rounds = run_topr_loop(tiny_model_path, prompts(4), correct, args, num_rounds=2, **kwargs)
     assert [r["round"] for r in rounds] == [0, 1, 2]
     assert (round_1 / "model.safetensors").stat().st_mtime_ns == model_time
     assert not (tmp_path / "loop" / "round-2" / "partial").exists()
+    assert metrics.read_text().startswith(complete) and len(metrics.read_text().splitlines()) == 3
     assert read_rounds(str(tmp_path / "loop")) == rounds
+    assert not (tmp_path / "loop" / "metrics.jsonl.partial").exists()
+
+    # A damaged line before the last is not a kill's cut: a clear error, not a silent redo
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("\n".join([lines[0], lines[1][:20], lines[2]]) + "\n")
+    with pytest.raises(ValueError, match="line 2, is not JSON"):
+        read_rounds(str(tmp_path / "loop"))
 
 
 def test_a_one_sided_round_trains_with_baseline_0_under_a_target_fraction(tiny_model_path, tmp_path):

@@ -3,7 +3,9 @@
 import contextlib
 import dataclasses
 import json
+import os
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,17 +38,34 @@ def read_rounds(output_dir: str) -> list[dict[str, Any]]:
     """
     Per-round metrics written by [`run_topr_loop`] so far (round 0 evaluates the initial model).
 
+    A last line that is not complete JSON (a loop killed while an older version appended it) is an unfinished round:
+    it is left out, with a warning, and the loop redoes that round.
+
     Args:
         output_dir (`str`):
             The loop's output folder.
 
     Returns:
         `list[dict[str, Any]]`: one dict per completed round, in order.
+
+    Raises:
+        `ValueError`: when a line other than the last is not JSON (the file was edited or damaged).
     """
     path = Path(output_dir) / METRICS_FILE
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    rounds = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            rounds.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            if number < len(lines):
+                raise ValueError(f"{path}, line {number}, is not JSON ({error}): only a last line cut by a kill is "
+                                 "read as an unfinished round. Fix or remove the line.") from error
+            warnings.warn(f"{path} ends with a cut line (a round that was being recorded when the loop stopped): "
+                          "reading it as unfinished, so the loop redoes that round.", stacklevel=2)
+    return rounds
 
 
 def plot_rounds(rounds: list[dict[str, Any]], path: str) -> None:
@@ -100,8 +119,9 @@ def run_topr_loop(
 
     Everything goes to `args.output_dir`: `round-<r>/` holds the model after round r, its sampled dataset
     (`samples.jsonl`) and its training logs (`trainer_state.json`), `metrics.jsonl` one line per completed round (round 0 evaluates the initial model) and
-    `metrics.png` their plot. A round counts as completed once its line is written: started again, the loop resumes
-    after the last completed round, redoing an interrupted one from its start. Under `accelerate launch`, every
+    `metrics.png` their plot. A round counts as completed once its line is written (the file is replaced whole, so a
+    kill never leaves half a line): started again, the loop resumes after the last completed round, redoing an
+    interrupted one from its start. Under `accelerate launch`, every
     process runs the loop: sampling and evaluation are split across the processes, training is data-parallel, and the
     main process writes the files.
 
@@ -200,19 +220,21 @@ def run_topr_loop(
                 **{"bf16": args.bf16, **eval_kwargs},
             )  # in the training precision unless `eval_kwargs` says otherwise
 
+    rounds = read_rounds(str(output_dir))  # the completed rounds: the loop resumes after the last
+
     def record(metrics: dict[str, Any]) -> None:
-        if state.is_main_process:
-            with open(output_dir / METRICS_FILE, "a") as f:  # the line marks the round as completed
-                f.write(json.dumps(metrics) + "\n")
-            plot_rounds(read_rounds(str(output_dir)), str(output_dir / "metrics.png"))
+        rounds.append(metrics)
+        if state.is_main_process:  # the line marks the round as completed: the file is replaced whole, never cut
+            partial = output_dir / f"{METRICS_FILE}.partial"
+            partial.write_text("".join(json.dumps(r) + "\n" for r in rounds))
+            os.replace(partial, output_dir / METRICS_FILE)
+            plot_rounds(rounds, str(output_dir / "metrics.png"))
         state.wait_for_everyone()
         shown = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
         logger.info(f"Round {metrics['round']} done: {shown}")
 
-    rounds = read_rounds(str(output_dir))
     if not rounds:
         record({"round": 0, **evaluate(load(model), model)})
-        rounds = read_rounds(str(output_dir))
     for round_index in range(rounds[-1]["round"] + 1, num_rounds + 1):
         round_dir = output_dir / f"round-{round_index}"
         if state.is_main_process:
