@@ -67,7 +67,7 @@ def machine() -> dict:
         pass
     info = {"cpu": model, "cpu_flags": [flag for flag in CPU_FLAGS if flag in flags],
             "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-            "platform": platform.platform(), "python": platform.python_version(), "gpu": None}  # fmt: skip
+            "os": f"{platform.system()} {platform.machine()}", "python": platform.python_version(), "gpu": None}  # fmt: skip
     if shutil.which("nvidia-smi"):
         query = ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]
         gpus = subprocess.run(query, capture_output=True, text=True).stdout.strip().splitlines()
@@ -171,8 +171,12 @@ def main(argv=None) -> int:
             for path in Path(work).glob(pattern):
                 if path.is_file():
                     shutil.copy(path, out / path.name)
+    log = out / args.log  # the temporary folder is this machine's: the log names it as the command did, {work}
+    log.write_text(log.read_text(errors="replace").replace(work, "{work}"))
     shown = " ".join([*args.env, shlex.join(command)])
-    record(out, entry(shown, started, environment, exit_status=status, log=args.log), append=args.append)
+    through = shlex.join(["python", "benchmarks/provenance.py", *argv[:split], "--"])  # how to run it again
+    record(out, entry(shown, started, environment, exit_status=status, log=args.log, through=through),
+           append=args.append)
     print(f"exit {status} in {time.time() - started:.0f} s: {out / args.log}, {out / RECORD}")
     return status
 

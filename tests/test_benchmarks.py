@@ -105,16 +105,17 @@ def test_provenance_command_records_a_command_its_log_and_kept_files(tmp_path):
     # Any command (a recipe, the GPU tests) runs through provenance.py, which records it like a benchmark's results.
     out = tmp_path / "out"
     script = "from pathlib import Path; import os, sys; Path(sys.argv[1], 'kept.json').write_text('{}'); " \
-             "Path(sys.argv[1], 'dropped.bin').write_text('x'); print('isa', os.environ['ATEN_CPU_CAPABILITY'])"
+             "Path(sys.argv[1], 'dropped.bin').write_text('x'); print('isa', os.environ['ATEN_CPU_CAPABILITY'], sys.argv[1])"
     command = [sys.executable, str(BENCHMARKS / "provenance.py"), str(out), "--keep", "*.json", "--env",
                "ATEN_CPU_CAPABILITY=avx2", "--", "python", "-c", script, "{work}"]
     status = subprocess.run(command, capture_output=True, text=True)
     assert status.returncode == 0, status.stderr
     assert sorted(p.name for p in out.iterdir()) == ["kept.json", "log.txt", "provenance.json"]
-    assert (out / "log.txt").read_text() == "isa avx2\n"
+    assert (out / "log.txt").read_text() == "isa avx2 {work}\n"  # the temporary folder's path is not kept
     (run,) = json.loads((out / "provenance.json").read_text())["runs"]
     assert run["command"].startswith("ATEN_CPU_CAPABILITY=avx2 python -c ") and run["command"].endswith(" '{work}'")
     assert run["exit_status"] == 0 and run["env"] == {"ATEN_CPU_CAPABILITY": "avx2"} and run["log"] == "log.txt"
+    assert run["through"] == f"python benchmarks/provenance.py {out} --keep '*.json' --env ATEN_CPU_CAPABILITY=avx2 --"
     # a failing command is recorded with its status, and the tool exits with it
     failed = subprocess.run([*command[:3], "--append", "--log", "fail.txt", "--", "python", "-c", "exit(3)"])
     assert failed.returncode == 3
