@@ -206,7 +206,7 @@ class TOPRConfig(VLLMArguments, _ActivationCheckpointingName, SFTConfig):
     > - `loss_type`: Defaults to `"topr"`, see above.
     > - `bf16`: Defaults to the hardware ([`~trl_topr.precision.has_native_bf16`]) instead of always `True`: on
     >   where the training device computes bf16 natively (GPUs from Ampere on, CPUs with AMX), off
-    >   elsewhere, where emulated bf16 runs 2x to 50x slower than float32. An explicit value is always used. Without
+    >   elsewhere, where emulated bf16 can run many times slower than float32. An explicit value is always used. Without
     >   an accelerator, `use_cpu` is set.
     > - `activation_checkpointing`: Defaults to `True`, TRL's default for its deprecated alias
     >   `gradient_checkpointing` (set either; the new name avoids transformers' deprecation warning).

@@ -1,12 +1,11 @@
 """Precision chosen from the hardware: bf16 where the device computes it natively, float32 elsewhere.
 
 TRL's configurations turn bf16 mixed precision on by default. That is right on recent GPUs and on CPUs with AMX, and
-very wrong on the many CPUs without native bf16 units, where bf16 matmuls are emulated: measured with 1024x1024
-matmuls, bf16 is about 2x faster than float32 with AMX, 2x slower on AVX512 without AVX512-BF16, and 50x slower with
-AVX2 only. AVX512-BF16 without AMX is not enough: on such a 2-core Xeon, bf16 matmuls ran at half the float32 speed
-(`python benchmarks/precision.py`: 182 vs 352 GFLOP/s) and the embedded GSM8K default took 184 s in bf16 against 128 s
-in float32. Every place of this library that trains, samples or evaluates a model follows [`has_native_bf16`] when
-the user has not chosen a precision.
+wrong on the many CPUs without native bf16 units, where bf16 matmuls are emulated and run many times slower than
+float32. Between the two, CPUs with AVX512-BF16 but no AMX differ: `python benchmarks/precision.py` times both
+precisions on a machine and prints what the rule picks there (docs/benchmarks.md gives the machines measured). Every
+place of this library that trains, samples or evaluates a model follows [`has_native_bf16`] when the user has not
+chosen a precision.
 """
 
 import logging
@@ -40,7 +39,8 @@ def has_native_bf16(device: str | torch.device | None = None) -> bool:
     Whether a device computes bf16 natively, so that bf16 runs faster than float32 there.
 
     - CUDA: GPUs with bf16 units (Ampere and newer); emulated bf16 does not count.
-    - CPU: AMX tiles (AVX512-BF16 alone runs bf16 matmuls slower than float32).
+    - CPU: AMX tiles. AVX512-BF16 alone does not count: how fast bf16 runs with it differs between CPUs
+      (`python benchmarks/precision.py` measures it on a machine).
     - Other accelerators: assumed, as TRL's default.
 
     Args:
@@ -90,9 +90,9 @@ def resolve_bf16(bf16: bool | None, fp16: bool = False, use_cpu: bool = False) -
     if bf16 and device == "cpu" and not has_native_bf16("cpu") and "cpu" not in _warned:
         _warned.add("cpu")
         logger.warning(
-            "bf16=True on a CPU without AMX: bf16 matmuls run there 1.5x to 50x slower than float32 (emulated, or "
-            "AVX512-BF16 alone). Pass `--bf16 false` (`bf16=False`), or leave `bf16` unset and trl-topr picks the "
-            "faster precision for this machine."
+            "bf16=True on a CPU without AMX: bf16 can run slower than float32 there (emulated, or AVX512-BF16 "
+            "alone; `python benchmarks/precision.py` measures both on this machine). Pass `--bf16 false` "
+            "(`bf16=False`), or leave `bf16` unset and trl-topr picks its precision for this machine."
         )
     return bf16
 

@@ -1,0 +1,415 @@
+"""Write the docs' result tables, figures and quoted numbers from the committed results in `benchmarks/results/`.
+
+    python benchmarks/report.py           # rewrite what README.md and docs/*.md quote from the results
+    python benchmarks/report.py --check   # exit 1, with a diff, where a doc and its results disagree
+
+A doc quotes a result between markers that name it, and this command writes what is between them:
+
+    <!-- generated: iterative-real.table -->          a block: a table, a list
+    ...
+    <!-- /generated -->
+    ... sampled pass@1 <!-- value: cost.step -->1.00-1.01<!-- /value --> ...     a number in a sentence
+
+Each name is a function of `QUOTES` below, which reads the files of one results folder. Figures are copied from the
+results folders to `docs/images/` (`FIGURES`). `tests/test_results.py` runs the check in the test suite, so a number
+that changes in the results, or in a doc, fails it.
+"""
+
+import argparse
+import difflib
+import json
+import re
+import shutil
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w.@-]+) -->)\n(?P<body>.*?)(<!-- /generated -->)", re.S)
+VALUE = re.compile(r"(<!-- value: (?P<name>[\w.@-]+) -->)(?P<body>[^\n]*?)(<!-- /value -->)")
+FIGURES = {  # docs/images/<name> <- benchmarks/results/<file>
+    "learning-real.png": "learning-real/learning.png",
+    "learning-fast.png": "learning-fast-lr1e-4/learning.png",
+    "iterative-fast.png": "iterative-fast/iterative.png",
+    "iterative-real.png": "iterative-real/iterative.png",
+}
+
+
+# -------------------------------------------------------------------------------------------------------- reading
+READ: set[str] = set()  # the results folders read so far (every folder should be quoted somewhere)
+
+
+def load(folder: str, name: str = "results.json"):
+    """A result file: parsed where it is JSON, its text otherwise."""
+    READ.add(folder)
+    text = (RESULTS / folder / name).read_text()
+    return json.loads(text) if name.endswith(".json") else text
+
+
+def provenance(folder: str, which: int = -1) -> dict:
+    """An entry of a folder's record, by default the last: the command that wrote its results last."""
+    READ.add(folder)
+    return json.loads((RESULTS / folder / "provenance.json").read_text())["runs"][which]
+
+
+def tables(text: str) -> list[str]:
+    """The markdown tables of a text, in order."""
+    found, current = [], []
+    for line in text.splitlines() + [""]:
+        if line.startswith("|"):
+            current.append(line)
+        elif current:
+            found.append("\n".join(current))
+            current = []
+    return found
+
+
+def rows(table: str) -> list[dict[str, str]]:
+    """A markdown table's rows as {header: cell}."""
+    header, _rule, *lines = table.splitlines()
+    names = [cell.strip() for cell in header.strip("|").split("|")]
+    return [dict(zip(names, (cell.strip() for cell in line.strip("|").split("|")))) for line in lines]
+
+
+def column(table: str, name: str) -> list[float]:
+    return [float(row[name].rstrip("%")) for row in rows(table)]
+
+
+def span(values: list[float], digits: int = 2) -> str:
+    low, high = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+    return low if low == high else f"{low}-{high}"
+
+
+def met(values: list[float], target: float) -> str:
+    """How many of `values` are at most `target`: "all 4", "2 of 4", "none of 4"."""
+    count = sum(value <= target for value in values)
+    return f"all {count}" if count == len(values) else f"{count or 'none'} of {len(values)}"
+
+
+def duration(seconds: float) -> str:
+    minutes, rest = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return " ".join(part for part in (f"{hours} h" * bool(hours), f"{minutes} min" * bool(minutes),
+                                      f"{rest} s" * bool(rest or not (hours or minutes))) if part)  # fmt: skip
+
+
+def machine(folder: str) -> str:
+    """The CPU (or GPU) and its bf16-relevant features, from a folder's record: "AMD EPYC, 2 cores (AVX512-BF16, no
+    AMX)"."""
+    info = provenance(folder)["machine"]
+    if info.get("gpu"):
+        return info["gpu"]
+    flags = info["cpu_flags"]
+    features = "AMX" if "amx_tile" in flags else ("AVX512-BF16, no AMX" if "avx512_bf16" in flags
+                                                   else "AVX512, no bf16" if "avx512f" in flags else "AVX2 only")
+    return f"{info['cpu']}, {info['cores']} cores ({features})"
+
+
+def mean(values) -> float:
+    return statistics.fmean(values)
+
+
+def benchmark(name: str):
+    """A benchmark script as a module (its `summarize`, its settings)."""
+    import importlib.util
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(f"{name}_report", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# --------------------------------------------------------------------------------------------- what the docs quote
+def learning_table(folder: str) -> str:
+    return benchmark("learning").summarize(load(folder)).split("\n\n")[0]
+
+
+def learning_final(folder: str, method: str, key: str = "pass@1_greedy") -> float:
+    return mean(run[-1][key] for run in load(folder)["methods"][method])
+
+
+def dataset(folder: str) -> str:
+    rows, positives = load(folder)["dataset"]["rows"], load(folder)["dataset"]["positives"]
+    return f"{rows} completions, {positives} of them correct ({positives / rows:.1%})"
+
+
+def learning_rates() -> str:
+    """Greedy pass@1 (mean ± sd over seeds) and invalid rate after the last epoch, per method and learning rate."""
+    folders = {"3e-5": "learning-fast-lr3e-5", "1e-4": "learning-fast-lr1e-4", "3e-4": "learning-fast-lr3e-4"}
+    results = {rate: load(folder) for rate, folder in folders.items()}
+    header = ["method", *[f"lr {rate}: greedy / invalid" for rate in folders]]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for method in [m for m in results["1e-4"]["methods"] if m != "mu"]:
+        cells = [method]
+        for result in results.values():
+            greedy = [run[-1]["pass@1_greedy"] for run in result["methods"][method]]
+            invalid = mean(run[-1]["invalid_rate"] for run in result["methods"][method])
+            cells.append(f"{mean(greedy):.3f} ± {statistics.stdev(greedy):.3f} / {invalid:.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def ordering(folder: str) -> str:
+    """Methods by final greedy pass@1 (mean over seeds), best first."""
+    methods = [m for m in load(folder)["methods"] if m != "mu"]
+    finals = sorted(((learning_final(folder, m), m) for m in methods), key=lambda pair: -pair[0])
+    return ", ".join(f"{method} {value:.3f}" for value, method in finals)
+
+
+def iterative_table(folder: str) -> str:
+    return benchmark("iterative").summarize(load(folder))[0].split("\n\n")[0]
+
+
+def iterative_diagnosis(folder: str, rounds: set[int] | None = None) -> str:
+    table = benchmark("iterative").summarize(load(folder))[1]
+    header, rule, *lines = table.splitlines()
+    keep = [line for line in lines if rounds is None or int(line.split("|")[2]) in rounds]
+    return "\n".join([header, rule, *keep])
+
+
+def iterative_sweeps(folder: str) -> str:
+    """Each method's chosen rate and the validation score of every rate its seed-0 sweep ran."""
+    lines = ["| method | rate | validation sampled pass@1 by rate (seed 0) |", "|---|---|---|"]
+    for method, entry in load(folder)["methods"].items():
+        sweep = sorted((float(rate), score) for rate, score in entry["sweep"].items())
+        lines.append(f"| {method} | {rate_text(entry['lr'])} | "
+                     + " / ".join(f"{rate_text(rate)}: {score:.3f}" for rate, score in sweep) + " |")
+    return "\n".join(lines)
+
+
+def rate_text(rate: float) -> str:
+    """1e-05 -> 1e-5, 0.0003 -> 3e-4."""
+    return f"{rate:.0e}".replace("e-0", "e-")
+
+
+def iterative_test(folder: str, method: str, key: str = "pass@1") -> str:
+    """Mean ± sd over seeds after the last round, as in the results' table."""
+    values = [run[-1][key] for run in load(folder)["methods"][method]["runs"]]
+    return f"{mean(values):.3f} ± {statistics.stdev(values):.3f}"
+
+
+def iterative_seeds(folder: str) -> str:
+    """Each method's test pass@1 after the last round, seed by seed: where seeds overlap, methods are not separated."""
+    lines = ["| method | rate | sampled pass@1, seeds 0 / 1 / 2 | greedy pass@1, seeds 0 / 1 / 2 |", "|---|---|---|---|"]
+    for method, entry in load(folder)["methods"].items():
+        final = [run[-1] for run in entry["runs"]]
+        lines.append(f"| {method} | {rate_text(entry['lr'])} | " + " / ".join(f"{r['pass@1']:.3f}" for r in final) + " | "
+                     + " / ".join(f"{r['pass@1_greedy']:.3f}" for r in final) + " |")
+    return "\n".join(lines)
+
+
+def iterative_round_span(folder: str, method: str, key: str, rounds: range) -> str:
+    """The range over `rounds` of a per-round metric's mean over seeds."""
+    runs = load(folder)["methods"][method]["runs"]
+    return span([mean(run[r][key] for run in runs) for r in rounds])
+
+
+def embedded_table(folder: str = "embedded") -> str:
+    lines = [line for line in load(folder, "metrics.jsonl").splitlines() if line.strip()]
+    before, after = json.loads(lines[0]), json.loads(lines[-1])
+    keys = [("pass@1_greedy", "greedy pass@1"), ("pass@1", "sampled pass@1"), ("maj@4", "maj@4"),
+            ("invalid_rate", "invalid rate"), ("truncated_rate", "truncated rate")]  # fmt: skip
+    out = ["| | " + " | ".join(name for _, name in keys) + " |", "|---|" + "---|" * len(keys)]
+    for label, metrics in (("before (round 0)", before), (f"after {after['round']} round(s)", after)):
+        out.append(f"| {label} | " + " | ".join(f"{metrics[key]:.3f}" for key, _ in keys) + " |")
+    return "\n".join(out)
+
+
+def embedded_metric(key: str, which: int, folder: str = "embedded") -> str:
+    lines = [line for line in load(folder, "metrics.jsonl").splitlines() if line.strip()]
+    return f"{json.loads(lines[which])[key]:.3f}"
+
+
+def cost_table() -> str:
+    return tables(load("cost", "table.md"))[0]
+
+
+def gpu_log_table(log: str, index: int = 0) -> str:
+    return tables(load("gpu-h100", log))[index]
+
+
+QUOTES: dict[str, Callable[[], str]] = {
+    # the embedded default (README's first command)
+    "embedded.table": embedded_table,
+    "embedded.time": lambda: duration(provenance("embedded")["seconds"]),
+    "embedded.machine": lambda: machine("embedded"),
+    "embedded-avx2.time": lambda: duration(provenance("embedded-avx2")["seconds"]),
+    "embedded-avx2.same": lambda: "the same numbers both ways" if embedded_table("embedded-avx2") == embedded_table()
+    else "the numbers differ with the AVX2 cap: see `benchmarks/results/embedded-avx2/`",
+    "embedded-bf16.time": lambda: duration(provenance("embedded-bf16")["seconds"]),
+    "embedded.greedy.before": lambda: embedded_metric("pass@1_greedy", 0),
+    "embedded.greedy.after": lambda: embedded_metric("pass@1_greedy", -1),
+    "embedded.invalid.before": lambda: embedded_metric("invalid_rate", 0),
+    "embedded.invalid.after": lambda: embedded_metric("invalid_rate", -1),
+    # learning, real scale
+    "learning-real.table": lambda: learning_table("learning-real"),
+    "learning-real.machine": lambda: machine("learning-real"),
+    "iterative-fast.machine": lambda: machine("iterative-fast"),
+    "iterative-real.machine": lambda: machine("iterative-real"),
+    "learning-real.commit": lambda: provenance("learning-real")["commit"][:7],
+    "learning-real.time": lambda: duration(load("learning-real")["seconds"]),
+    "learning-real.ordering": lambda: ordering("learning-real"),
+    "learning-real.dataset": lambda: dataset("learning-real"),
+    # learning, fast scale
+    "learning-fast.table": lambda: learning_table("learning-fast-lr1e-4"),
+    "learning-fast.rates": learning_rates,
+    "learning-fast.ordering": lambda: ordering("learning-fast-lr1e-4"),
+    "learning-fast.time": lambda: duration(provenance("learning-fast-lr1e-4")["seconds"]),
+    "learning-fast.machine": lambda: machine("learning-fast-lr1e-4"),
+    "learning-fast.dataset": lambda: dataset("learning-fast-lr1e-4"),
+    # iterative
+    "iterative-fast.table": lambda: iterative_table("iterative-fast"),
+    "iterative-fast.sweeps": lambda: iterative_sweeps("iterative-fast"),
+    "iterative-fast.diagnosis": lambda: iterative_diagnosis("iterative-fast", {1, 4, 8}),
+    "iterative-fast.commit": lambda: provenance("iterative-fast")["commit"][:7],
+    "iterative-fast.seeds": lambda: iterative_seeds("iterative-fast"),
+    "iterative-fast.start": lambda: f"{mean(run[0]['pass@1'] for run in load('iterative-fast')['methods']['topr']['runs']):.3f}",  # noqa: E501
+    "iterative-fast.round1_positive": lambda: iterative_round_span("iterative-fast", "topr", "positive_fraction",
+                                                                    range(1, 2)),
+    "iterative-real.round1_positive": lambda: iterative_round_span("iterative-real", "topr", "positive_fraction",
+                                                                    range(1, 2)),
+    "iterative-real.start": lambda: f"{mean(run[0]['pass@1'] for run in load('iterative-real')['methods']['topr']['runs']):.3f}",  # noqa: E501
+    "iterative-real.start_invalid": lambda: f"{mean(run[0]['invalid_rate'] for run in load('iterative-real')['methods']['topr']['runs']):.3f}",  # noqa: E501
+    "iterative-real.table": lambda: iterative_table("iterative-real"),
+    "iterative-real.seeds": lambda: iterative_seeds("iterative-real"),
+    "iterative-real.topr_positive_fraction": lambda: iterative_round_span(
+        "iterative-real", "topr", "positive_fraction", range(2, 5)),
+    "iterative-real.sweep": lambda: tables(load("iterative-real", "sweep.md"))[0],
+    "iterative-real.sweeps": lambda: iterative_sweeps("iterative-real"),
+    "iterative-real.diagnosis": lambda: iterative_diagnosis("iterative-real"),
+    "iterative-real.commit": lambda: provenance("iterative-real")["commit"][:7],
+    "iterative-real.positives_only": lambda: iterative_test("iterative-real", "positives_only"),
+    "iterative-real.topr": lambda: iterative_test("iterative-real", "topr"),
+    "iterative-real.reinforce": lambda: iterative_test("iterative-real", "reinforce"),
+    # cost, sampling, precision on this machine
+    "cost.table": cost_table,
+    "cost.command": lambda: provenance("cost")["command"],
+    "cost.time": lambda: duration(provenance("cost")["seconds"]),
+    "cost.machine": lambda: machine("cost"),
+    "cost.precision": lambda: load("cost")["settings"]["precision"],
+    "cost.step": lambda: span(column(cost_table(), "TOPR/SFT")),
+    "cost.memory": lambda: span(column(cost_table(), "mem TOPR/SFT")),
+    "cost.total": lambda: span(column(cost_table(), "TOPR+pre total/SFT total")),
+    "cost.step.met": lambda: met(column(cost_table(), "TOPR/SFT"), 1.03),
+    "cost.memory.met": lambda: met(column(cost_table(), "mem TOPR/SFT"), 1.02),
+    "cost.total.met": lambda: met(column(cost_table(), "TOPR+pre total/SFT total"), 1.4),
+    "cost.pre_memory": lambda: span(column(cost_table(), "mem TOPR+pre/SFT")),
+    "cost.kto": lambda: span(column(cost_table(), "TOPR/KTO")),
+    "cost.kto_memory": lambda: span(column(cost_table(), "mem TOPR/KTO")),
+    "sampling.table": lambda: tables(load("sampling", "table.md"))[0],
+    "sampling.machine": lambda: machine("sampling"),
+    "sampling.title": lambda: load("sampling")["title"],
+    "sampling.sampler": lambda: f"{column(tables(load('sampling', 'table.md'))[0], 'ratio (target >= 0.9)')[0]:.2f}",
+    "sampling.precompute": lambda: f"{column(tables(load('sampling', 'table.md'))[0], 'ratio (target >= 0.9)')[1]:.2f}",
+    "sampling.fused": lambda: f"{column(tables(load('sampling', 'table.md'))[0], 'ratio (target >= 0.9)')[2]:.2f}",
+    "sampling-vllm.table": lambda: tables(load("sampling-vllm", "table.md"))[0],
+    "sampling-vllm.title": lambda: load("sampling-vllm")["vllm"]["title"],
+    "sampling-vllm.machine": lambda: machine("sampling-vllm"),
+    "sampling-vllm.versions": lambda: "vLLM {vllm}, transformers {transformers}".format(
+        **provenance("sampling-vllm")["versions"]),
+    "sampling-vllm.ratio": lambda: f"{column(tables(load('sampling-vllm', 'table.md'))[0], 'ratio to transformers (target >= 2)')[1]:.2f}",  # noqa: E501
+    "sampling-vllm.start": lambda: f"{load('sampling-vllm')['vllm']['start_seconds']:.0f} s",
+    "sampling-vllm.reload": lambda: f"{statistics.median(load('sampling-vllm')['vllm']['reload_seconds']):.2f} s",
+    "precision.table": lambda: tables(load("precision", "table.md"))[0],
+    "precision.machine": lambda: machine("precision"),
+    "precision.ratio": lambda: f"{load('precision')['bf16_over_fp32']:.2f}",
+    "precision.picks": lambda: load("precision")["picks"],
+    # one NVIDIA H100 (logs of benchmarks/gpu.sh)
+    "gpu-h100.cost": lambda: gpu_log_table("cost-reps2.log"),
+    "gpu-h100.qlora": lambda: gpu_log_table("qlora.log"),
+    "gpu-h100.sampling": lambda: gpu_log_table("sampling.log"),
+    "gpu-h100.profile": lambda: gpu_log_table("profile.log"),
+    "gpu-h100.machine": lambda: machine("gpu-h100"),
+    "gpu-h100.versions": lambda: ", ".join(f"{k} {v}" for k, v in provenance("gpu-h100")["versions"].items()),
+    "gpu-h100.commit": lambda: provenance("gpu-h100", 0)["commit"][:7],
+    "gpu-h100.tests": lambda: re.search(r"\d+ passed(, \d+ skipped)?", load("gpu-h100", "tests.log")).group(0),
+    "gpu-h100.qlora_step": lambda: span(column(gpu_log_table("qlora.log"), "TOPR/SFT")),
+    "gpu-h100.recipe": lambda: gpu_recipe_table(),
+    # the verifier recipe's embedded configuration
+    "verifier.tables": lambda: verifier_tables(),
+    "verifier.time": lambda: duration(provenance("verifier-embedded")["seconds"]),
+    "verifier.machine": lambda: machine("verifier-embedded"),
+    "verifier.correct": lambda: f"{load('verifier-embedded', 'verifier_results.json')['labels']['test']:.3f}",
+    "verifier.constant": lambda: f"{max(p := load('verifier-embedded', 'verifier_results.json')['labels']['test'], 1 - p):.3f}",  # noqa: E501
+}
+
+
+def gpu_recipe_table() -> str:
+    """Before and after the recipe's GPU round, from its log's 'Round N done' lines."""
+    found = re.findall(r"Round (\d+) done: (.*)", load("gpu-h100", "recipe.log"))
+    metrics = [dict(re.findall(r"([\w@]+) ([\d.]+)", text)) for _, text in found]
+    keys = [("pass@1_greedy", "pass@1, greedy"), ("pass@1", "pass@1, 8 samples"), ("maj@8", "maj@8"),
+            ("invalid_rate", "invalid rate (sampled)")]  # fmt: skip
+    lines = ["| | before | after |", "|---|---|---|"]
+    lines += [f"| {name} | {metrics[0][key]} | {metrics[-1][key]} |" for key, name in keys]
+    return "\n".join(lines)
+
+
+def verifier_tables() -> str:
+    results = load("verifier-embedded", "verifier_results.json")
+    before, after = results["rounds"][0], results["rounds"][-1]
+    lines = [f"| verifier on the test solutions | before | after {after['round']} rounds |", "|---|---|---|"]
+    for key, name in [("pass@1_greedy", "accuracy, greedy verdict"), ("pass@1", "accuracy, sampled verdicts"),
+                      ("invalid_rate", "invalid verdicts, sampled"), ("invalid_rate_greedy", "invalid verdicts, greedy")]:
+        lines.append(f"| {name} | {before[key]:.3f} | {after[key]:.3f} |")
+    votes = results["votes"]
+    lines += ["", "| answers to the test questions | verifier before | verifier after |", "|---|---|---|"]
+    for key, name in [("pass@1", "generator pass@1"), ("majority_vote", "majority vote"),
+                      ("verifier_vote", "verifier-weighted vote"), ("best_of_n", "best-of-n")]:
+        lines.append(f"| {name} | {votes['before'][key]:.3f} | {votes['after'][key]:.3f} |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------------ rewriting
+def render(text: str) -> str:
+    """`text` with every marked quote rewritten from the results. Raises `KeyError` for a name not in `QUOTES`."""
+
+    def quote(name: str) -> str:
+        if name not in QUOTES:
+            raise KeyError(f"No result is quoted as {name!r}: the names are those of QUOTES in benchmarks/report.py.")
+        return QUOTES[name]()
+
+    text = BLOCK.sub(lambda m: f"{m[1]}\n\n{quote(m['name'])}\n\n{m[4]}", text)
+    return VALUE.sub(lambda m: f"{m[1]}{quote(m['name'])}{m[4]}", text)
+
+
+def differences() -> list[str]:
+    """Unified diffs of every doc whose quotes differ from the results, and of every figure that differs."""
+    found = []
+    for path in DOCS:
+        text = path.read_text()
+        rendered = render(text)
+        if rendered != text:
+            name = str(path.relative_to(ROOT))
+            found.append("".join(difflib.unified_diff(text.splitlines(True), rendered.splitlines(True), name,
+                                                      f"{name} (from benchmarks/results)")))  # fmt: skip
+    for image, source in FIGURES.items():
+        if (ROOT / "docs" / "images" / image).read_bytes() != (RESULTS / source).read_bytes():
+            found.append(f"docs/images/{image} differs from benchmarks/results/{source}\n")
+    return found
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 where docs and results differ")
+    args = parser.parse_args(argv)
+    if args.check:
+        found = differences()
+        print("".join(found) or "The docs quote the results as they are.")
+        return 1 if found else 0
+    for path in DOCS:
+        text = path.read_text()
+        if render(text) != text:
+            path.write_text(render(text))
+            print(f"rewrote {path.relative_to(ROOT)}")
+    for image, source in FIGURES.items():
+        shutil.copy(RESULTS / source, ROOT / "docs" / "images" / image)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
