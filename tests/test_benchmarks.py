@@ -114,7 +114,7 @@ def test_provenance_command_records_a_command_its_log_and_kept_files(tmp_path):
     assert (out / "log.txt").read_text() == "isa avx2 {work}\n"  # the temporary folder's path is not kept
     (run,) = json.loads((out / "provenance.json").read_text())["runs"]
     assert run["command"].startswith("ATEN_CPU_CAPABILITY=avx2 python -c ") and run["command"].endswith(" '{work}'")
-    assert run["exit_status"] == 0 and run["env"] == {"ATEN_CPU_CAPABILITY": "avx2"} and run["log"] == "log.txt"
+    assert run["exit_status"] == 0 and run["env"]["ATEN_CPU_CAPABILITY"] == "avx2" and run["log"] == "log.txt"
     assert run["through"] == f"python benchmarks/provenance.py {out} --keep '*.json' --env ATEN_CPU_CAPABILITY=avx2 --"
     # a failing command is recorded with its status, and the tool exits with it
     failed = subprocess.run([*command[:3], "--append", "--log", "fail.txt", "--", "python", "-c", "exit(3)"])
