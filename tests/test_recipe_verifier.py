@@ -126,14 +126,16 @@ def test_push_to_hub_publishes_the_verifier_with_its_votes(hub, tiny_model_path,
 
 WORKER = textwrap.dedent(
     """
-    import sys
+    import json, sys
+    from pathlib import Path
     sys.path.insert(0, {recipes!r}); sys.path.insert(0, {tests!r})
     from accelerate import PartialState
     from conftest import end_processes
     import verifier, test_recipe_verifier
 
     results = verifier.main(*test_recipe_verifier.tiny_args(sys.argv[1], sys.argv[2]))
-    print("rank", PartialState().process_index, "votes", results["votes"])
+    # each process's votes to a file of its own: two processes' stdout can interleave mid-line in one pipe
+    Path(sys.argv[2], f"votes-rank{{PartialState().process_index}}.json").write_text(json.dumps(results["votes"]))
     end_processes()
     """
 )
@@ -152,7 +154,7 @@ def test_recipe_under_accelerate_launch_with_two_processes(engine, tiny_model_pa
     result = subprocess.run(command, capture_output=True, text=True, timeout=600,
                             env={**os.environ, "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu"})  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    votes = [line.split(" votes ")[1] for line in result.stdout.splitlines() if line.startswith("rank ")]
-    assert len(votes) == 2 and votes[0] == votes[1]  # both processes hold every solution and every score
+    votes = [json.loads((tmp_path / "out" / f"votes-rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert votes[0] == votes[1]  # both processes hold every solution and every score
     assert result.stdout.count("Verifier on the test solutions") == 1  # the main process reports
     assert (tmp_path / "out" / "round-1" / "model.safetensors").exists()
