@@ -114,10 +114,11 @@ def script_command(script: str, argv: list[str] | None) -> str:
 
 def record(out: str | Path, new: dict, *, append: bool = False) -> dict:
     """Write `new` to `out`'s record: in place of the entries there (a run that rewrote the folder), or after them
-    (`append`: a resumed benchmark that adds to its folder; an entry of the same command and `log` is replaced)."""
+    (`append`: every call of a resumed benchmark that adds to its folder, or the parts of a script; a part that
+    writes the same `log` again replaces its entry)."""
     path = Path(out) / RECORD
     runs = json.loads(path.read_text())["runs"] if append and path.exists() else []
-    runs = [run for run in runs if (run["command"], run.get("log")) != (new["command"], new.get("log"))]
+    runs = [run for run in runs if "log" not in new or run.get("log") != new["log"]]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"runs": [*runs, new]}, indent=1) + "\n")
     return new

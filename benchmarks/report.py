@@ -17,6 +17,8 @@ that changes in the results, or in a doc, fails it.
 
 import argparse
 import difflib
+import functools
+import importlib.util
 import json
 import re
 import shutil
@@ -112,11 +114,11 @@ def mean(values) -> float:
     return statistics.fmean(values)
 
 
+@functools.cache
 def benchmark(name: str):
-    """A benchmark script as a module (its `summarize`, its settings)."""
-    import importlib.util
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    """A benchmark script as a module (its `summarize`, its settings), loaded once."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
     spec = importlib.util.spec_from_file_location(f"{name}_report", ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -126,10 +128,6 @@ def benchmark(name: str):
 # --------------------------------------------------------------------------------------------- what the docs quote
 def learning_table(folder: str) -> str:
     return benchmark("learning").summarize(load(folder)).split("\n\n")[0]
-
-
-def learning_final(folder: str, method: str, key: str = "pass@1_greedy") -> float:
-    return mean(run[-1][key] for run in load(folder)["methods"][method])
 
 
 def dataset(folder: str) -> str:
@@ -155,8 +153,9 @@ def learning_rates() -> str:
 
 def ordering(folder: str) -> str:
     """Methods by final greedy pass@1 (mean over seeds), best first."""
-    methods = [m for m in load(folder)["methods"] if m != "mu"]
-    finals = sorted(((learning_final(folder, m), m) for m in methods), key=lambda pair: -pair[0])
+    methods = {m: runs for m, runs in load(folder)["methods"].items() if m != "mu"}
+    finals = sorted(((mean(run[-1]["pass@1_greedy"] for run in runs), m) for m, runs in methods.items()),
+                    key=lambda pair: -pair[0])
     return ", ".join(f"{method} {value:.3f}" for value, method in finals)
 
 
@@ -208,9 +207,22 @@ def iterative_round_span(folder: str, method: str, key: str, rounds: range) -> s
     return span([mean(run[r][key] for run in runs) for r in rounds])
 
 
+def iterative_start(folder: str, key: str) -> str:
+    """The starting model's test metric (round 0, mean over TOPR's seeds)."""
+    return f"{mean(run[0][key] for run in load(folder)['methods']['topr']['runs']):.3f}"
+
+
+def embedded_rounds(folder: str) -> list[dict]:
+    """The recipe's per-round metrics (`metrics.jsonl`), read as the loop reads them."""
+    from trl_topr.loop import read_rounds
+
+    READ.add(folder)
+    return read_rounds(str(RESULTS / folder))
+
+
 def embedded_table(folder: str = "embedded") -> str:
-    lines = [line for line in load(folder, "metrics.jsonl").splitlines() if line.strip()]
-    before, after = json.loads(lines[0]), json.loads(lines[-1])
+    rounds = embedded_rounds(folder)
+    before, after = rounds[0], rounds[-1]
     keys = [("pass@1_greedy", "greedy pass@1"), ("pass@1", "sampled pass@1"), ("maj@4", "maj@4"),
             ("invalid_rate", "invalid rate"), ("truncated_rate", "truncated rate")]  # fmt: skip
     out = ["| | " + " | ".join(name for _, name in keys) + " |", "|---|" + "---|" * len(keys)]
@@ -220,122 +232,21 @@ def embedded_table(folder: str = "embedded") -> str:
 
 
 def embedded_metric(key: str, which: int, folder: str = "embedded") -> str:
-    lines = [line for line in load(folder, "metrics.jsonl").splitlines() if line.strip()]
-    return f"{json.loads(lines[which])[key]:.3f}"
+    return f"{embedded_rounds(folder)[which][key]:.3f}"
+
+
+def table(folder: str, name: str = "table.md", index: int = 0) -> str:
+    """The `index`-th markdown table of a result file."""
+    return tables(load(folder, name))[index]
+
+
+def ratio(folder: str, name: str, row: int) -> str:
+    """One cell of a ratio column of a folder's first table."""
+    return f"{column(table(folder), name)[row]:.2f}"
 
 
 def cost_table() -> str:
-    return tables(load("cost", "table.md"))[0]
-
-
-def gpu_log_table(log: str, index: int = 0) -> str:
-    return tables(load("gpu-h100", log))[index]
-
-
-QUOTES: dict[str, Callable[[], str]] = {
-    # the embedded default (README's first command)
-    "embedded.table": embedded_table,
-    "embedded.time": lambda: duration(provenance("embedded")["seconds"]),
-    "embedded.machine": lambda: machine("embedded"),
-    "embedded-avx2.time": lambda: duration(provenance("embedded-avx2")["seconds"]),
-    "embedded-avx2.same": lambda: "the same numbers both ways" if embedded_table("embedded-avx2") == embedded_table()
-    else "the numbers differ with the AVX2 cap: see `benchmarks/results/embedded-avx2/`",
-    "embedded-bf16.time": lambda: duration(provenance("embedded-bf16")["seconds"]),
-    "embedded.greedy.before": lambda: embedded_metric("pass@1_greedy", 0),
-    "embedded.greedy.after": lambda: embedded_metric("pass@1_greedy", -1),
-    "embedded.invalid.before": lambda: embedded_metric("invalid_rate", 0),
-    "embedded.invalid.after": lambda: embedded_metric("invalid_rate", -1),
-    # learning, real scale
-    "learning-real.table": lambda: learning_table("learning-real"),
-    "learning-real.machine": lambda: machine("learning-real"),
-    "iterative-fast.machine": lambda: machine("iterative-fast"),
-    "iterative-real.machine": lambda: machine("iterative-real"),
-    "learning-real.commit": lambda: provenance("learning-real")["commit"][:7],
-    "learning-real.time": lambda: duration(load("learning-real")["seconds"]),
-    "learning-real.ordering": lambda: ordering("learning-real"),
-    "learning-real.dataset": lambda: dataset("learning-real"),
-    # learning, fast scale
-    "learning-fast.table": lambda: learning_table("learning-fast-lr1e-4"),
-    "learning-fast.rates": learning_rates,
-    "learning-fast.ordering": lambda: ordering("learning-fast-lr1e-4"),
-    "learning-fast.time": lambda: duration(provenance("learning-fast-lr1e-4")["seconds"]),
-    "learning-fast.machine": lambda: machine("learning-fast-lr1e-4"),
-    "learning-fast.dataset": lambda: dataset("learning-fast-lr1e-4"),
-    # iterative
-    "iterative-fast.table": lambda: iterative_table("iterative-fast"),
-    "iterative-fast.sweeps": lambda: iterative_sweeps("iterative-fast"),
-    "iterative-fast.diagnosis": lambda: iterative_diagnosis("iterative-fast", {1, 4, 8}),
-    "iterative-fast.commit": lambda: provenance("iterative-fast")["commit"][:7],
-    "iterative-fast.seeds": lambda: iterative_seeds("iterative-fast"),
-    "iterative-fast.start": lambda: f"{mean(run[0]['pass@1'] for run in load('iterative-fast')['methods']['topr']['runs']):.3f}",  # noqa: E501
-    "iterative-fast.round1_positive": lambda: iterative_round_span("iterative-fast", "topr", "positive_fraction",
-                                                                    range(1, 2)),
-    "iterative-real.round1_positive": lambda: iterative_round_span("iterative-real", "topr", "positive_fraction",
-                                                                    range(1, 2)),
-    "iterative-real.start": lambda: f"{mean(run[0]['pass@1'] for run in load('iterative-real')['methods']['topr']['runs']):.3f}",  # noqa: E501
-    "iterative-real.start_invalid": lambda: f"{mean(run[0]['invalid_rate'] for run in load('iterative-real')['methods']['topr']['runs']):.3f}",  # noqa: E501
-    "iterative-real.table": lambda: iterative_table("iterative-real"),
-    "iterative-real.seeds": lambda: iterative_seeds("iterative-real"),
-    "iterative-real.topr_positive_fraction": lambda: iterative_round_span(
-        "iterative-real", "topr", "positive_fraction", range(2, 5)),
-    "iterative-real.sweep": lambda: tables(load("iterative-real", "sweep.md"))[0],
-    "iterative-real.sweeps": lambda: iterative_sweeps("iterative-real"),
-    "iterative-real.diagnosis": lambda: iterative_diagnosis("iterative-real"),
-    "iterative-real.commit": lambda: provenance("iterative-real")["commit"][:7],
-    "iterative-real.positives_only": lambda: iterative_test("iterative-real", "positives_only"),
-    "iterative-real.topr": lambda: iterative_test("iterative-real", "topr"),
-    "iterative-real.reinforce": lambda: iterative_test("iterative-real", "reinforce"),
-    # cost, sampling, precision on this machine
-    "cost.table": cost_table,
-    "cost.command": lambda: provenance("cost")["command"],
-    "cost.time": lambda: duration(provenance("cost")["seconds"]),
-    "cost.machine": lambda: machine("cost"),
-    "cost.precision": lambda: load("cost")["settings"]["precision"],
-    "cost.step": lambda: span(column(cost_table(), "TOPR/SFT")),
-    "cost.memory": lambda: span(column(cost_table(), "mem TOPR/SFT")),
-    "cost.total": lambda: span(column(cost_table(), "TOPR+pre total/SFT total")),
-    "cost.step.met": lambda: met(column(cost_table(), "TOPR/SFT"), 1.03),
-    "cost.memory.met": lambda: met(column(cost_table(), "mem TOPR/SFT"), 1.02),
-    "cost.total.met": lambda: met(column(cost_table(), "TOPR+pre total/SFT total"), 1.4),
-    "cost.pre_memory": lambda: span(column(cost_table(), "mem TOPR+pre/SFT")),
-    "cost.kto": lambda: span(column(cost_table(), "TOPR/KTO")),
-    "cost.kto_memory": lambda: span(column(cost_table(), "mem TOPR/KTO")),
-    "sampling.table": lambda: tables(load("sampling", "table.md"))[0],
-    "sampling.machine": lambda: machine("sampling"),
-    "sampling.title": lambda: load("sampling")["title"],
-    "sampling.sampler": lambda: f"{column(tables(load('sampling', 'table.md'))[0], 'ratio (target >= 0.9)')[0]:.2f}",
-    "sampling.precompute": lambda: f"{column(tables(load('sampling', 'table.md'))[0], 'ratio (target >= 0.9)')[1]:.2f}",
-    "sampling.fused": lambda: f"{column(tables(load('sampling', 'table.md'))[0], 'ratio (target >= 0.9)')[2]:.2f}",
-    "sampling-vllm.table": lambda: tables(load("sampling-vllm", "table.md"))[0],
-    "sampling-vllm.title": lambda: load("sampling-vllm")["vllm"]["title"],
-    "sampling-vllm.machine": lambda: machine("sampling-vllm"),
-    "sampling-vllm.versions": lambda: "vLLM {vllm}, transformers {transformers}".format(
-        **provenance("sampling-vllm")["versions"]),
-    "sampling-vllm.ratio": lambda: f"{column(tables(load('sampling-vllm', 'table.md'))[0], 'ratio to transformers (target >= 2)')[1]:.2f}",  # noqa: E501
-    "sampling-vllm.start": lambda: f"{load('sampling-vllm')['vllm']['start_seconds']:.0f} s",
-    "sampling-vllm.reload": lambda: f"{statistics.median(load('sampling-vllm')['vllm']['reload_seconds']):.2f} s",
-    "precision.table": lambda: tables(load("precision", "table.md"))[0],
-    "precision.machine": lambda: machine("precision"),
-    "precision.ratio": lambda: f"{load('precision')['bf16_over_fp32']:.2f}",
-    "precision.picks": lambda: load("precision")["picks"],
-    # one NVIDIA H100 (logs of benchmarks/gpu.sh)
-    "gpu-h100.cost": lambda: gpu_log_table("cost-reps2.log"),
-    "gpu-h100.qlora": lambda: gpu_log_table("qlora.log"),
-    "gpu-h100.sampling": lambda: gpu_log_table("sampling.log"),
-    "gpu-h100.profile": lambda: gpu_log_table("profile.log"),
-    "gpu-h100.machine": lambda: machine("gpu-h100"),
-    "gpu-h100.versions": lambda: ", ".join(f"{k} {v}" for k, v in provenance("gpu-h100")["versions"].items()),
-    "gpu-h100.commit": lambda: provenance("gpu-h100", 0)["commit"][:7],
-    "gpu-h100.tests": lambda: re.search(r"\d+ passed(, \d+ skipped)?", load("gpu-h100", "tests.log")).group(0),
-    "gpu-h100.qlora_step": lambda: span(column(gpu_log_table("qlora.log"), "TOPR/SFT")),
-    "gpu-h100.recipe": lambda: gpu_recipe_table(),
-    # the verifier recipe's embedded configuration
-    "verifier.tables": lambda: verifier_tables(),
-    "verifier.time": lambda: duration(provenance("verifier-embedded")["seconds"]),
-    "verifier.machine": lambda: machine("verifier-embedded"),
-    "verifier.correct": lambda: f"{load('verifier-embedded', 'verifier_results.json')['labels']['test']:.3f}",
-    "verifier.constant": lambda: f"{max(p := load('verifier-embedded', 'verifier_results.json')['labels']['test'], 1 - p):.3f}",  # noqa: E501
-}
+    return table("cost")
 
 
 def gpu_recipe_table() -> str:
@@ -362,6 +273,109 @@ def verifier_tables() -> str:
                       ("verifier_vote", "verifier-weighted vote"), ("best_of_n", "best-of-n")]:
         lines.append(f"| {name} | {votes['before'][key]:.3f} | {votes['after'][key]:.3f} |")
     return "\n".join(lines)
+
+
+QUOTES: dict[str, Callable[[], str]] = {
+    # the embedded default (README's first command)
+    "embedded.table": embedded_table,
+    "embedded.time": lambda: duration(provenance("embedded")["seconds"]),
+    "embedded.machine": lambda: machine("embedded"),
+    "embedded-avx2.time": lambda: duration(provenance("embedded-avx2")["seconds"]),
+    "embedded-avx2.same": lambda: "the same numbers both ways" if embedded_table("embedded-avx2") == embedded_table()
+    else "the numbers differ with the AVX2 cap: see `benchmarks/results/embedded-avx2/`",
+    "embedded-bf16.time": lambda: duration(provenance("embedded-bf16")["seconds"]),
+    "embedded.greedy.before": lambda: embedded_metric("pass@1_greedy", 0),
+    "embedded.greedy.after": lambda: embedded_metric("pass@1_greedy", -1),
+    "embedded.invalid.before": lambda: embedded_metric("invalid_rate", 0),
+    "embedded.invalid.after": lambda: embedded_metric("invalid_rate", -1),
+    # learning, real scale
+    "learning-real.table": lambda: learning_table("learning-real"),
+    "learning-real.machine": lambda: machine("learning-real"),
+    "learning-real.commit": lambda: provenance("learning-real")["commit"][:7],
+    "learning-real.time": lambda: duration(load("learning-real")["seconds"]),
+    "learning-real.ordering": lambda: ordering("learning-real"),
+    "learning-real.dataset": lambda: dataset("learning-real"),
+    # learning, fast scale
+    "learning-fast.table": lambda: learning_table("learning-fast-lr1e-4"),
+    "learning-fast.rates": learning_rates,
+    "learning-fast.ordering": lambda: ordering("learning-fast-lr1e-4"),
+    "learning-fast.time": lambda: duration(provenance("learning-fast-lr1e-4")["seconds"]),
+    "learning-fast.machine": lambda: machine("learning-fast-lr1e-4"),
+    "learning-fast.dataset": lambda: dataset("learning-fast-lr1e-4"),
+    # iterative
+    "iterative-fast.table": lambda: iterative_table("iterative-fast"),
+    "iterative-fast.sweeps": lambda: iterative_sweeps("iterative-fast"),
+    "iterative-fast.diagnosis": lambda: iterative_diagnosis("iterative-fast", {1, 4, 8}),
+    "iterative-fast.commit": lambda: provenance("iterative-fast")["commit"][:7],
+    "iterative-fast.machine": lambda: machine("iterative-fast"),
+    "iterative-fast.seeds": lambda: iterative_seeds("iterative-fast"),
+    "iterative-fast.start": lambda: iterative_start("iterative-fast", "pass@1"),
+    "iterative-fast.round1_positive": lambda: iterative_round_span("iterative-fast", "topr", "positive_fraction",
+                                                                    range(1, 2)),
+    "iterative-real.round1_positive": lambda: iterative_round_span("iterative-real", "topr", "positive_fraction",
+                                                                    range(1, 2)),
+    "iterative-real.start": lambda: iterative_start("iterative-real", "pass@1"),
+    "iterative-real.start_invalid": lambda: iterative_start("iterative-real", "invalid_rate"),
+    "iterative-real.table": lambda: iterative_table("iterative-real"),
+    "iterative-real.seeds": lambda: iterative_seeds("iterative-real"),
+    "iterative-real.topr_positive_fraction": lambda: iterative_round_span(
+        "iterative-real", "topr", "positive_fraction", range(2, 5)),
+    "iterative-real.sweep": lambda: table("iterative-real", "sweep.md"),
+    "iterative-real.machine": lambda: machine("iterative-real"),
+    "iterative-real.diagnosis": lambda: iterative_diagnosis("iterative-real"),
+    "iterative-real.commit": lambda: provenance("iterative-real")["commit"][:7],
+    "iterative-real.positives_only": lambda: iterative_test("iterative-real", "positives_only"),
+    "iterative-real.topr": lambda: iterative_test("iterative-real", "topr"),
+    "iterative-real.reinforce": lambda: iterative_test("iterative-real", "reinforce"),
+    # cost, sampling, precision on this machine
+    "cost.table": cost_table,
+    "cost.command": lambda: provenance("cost")["command"],
+    "cost.time": lambda: duration(provenance("cost")["seconds"]),
+    "cost.machine": lambda: machine("cost"),
+    "cost.precision": lambda: load("cost")["settings"]["precision"],
+    "cost.step": lambda: span(column(cost_table(), "TOPR/SFT")),
+    "cost.memory": lambda: span(column(cost_table(), "mem TOPR/SFT")),
+    "cost.total": lambda: span(column(cost_table(), "TOPR+pre total/SFT total")),
+    "cost.step.met": lambda: met(column(cost_table(), "TOPR/SFT"), 1.03),
+    "cost.memory.met": lambda: met(column(cost_table(), "mem TOPR/SFT"), 1.02),
+    "cost.total.met": lambda: met(column(cost_table(), "TOPR+pre total/SFT total"), 1.4),
+    "cost.pre_memory": lambda: span(column(cost_table(), "mem TOPR+pre/SFT")),
+    "cost.kto": lambda: span(column(cost_table(), "TOPR/KTO")),
+    "cost.kto_memory": lambda: span(column(cost_table(), "mem TOPR/KTO")),
+    "sampling.table": lambda: table("sampling"),
+    "sampling.machine": lambda: machine("sampling"),
+    "sampling.sampler": lambda: ratio("sampling", "ratio (target >= 0.9)", 0),
+    "sampling.precompute": lambda: ratio("sampling", "ratio (target >= 0.9)", 1),
+    "sampling.fused": lambda: ratio("sampling", "ratio (target >= 0.9)", 2),
+    "sampling-vllm.table": lambda: table("sampling-vllm"),
+    "sampling-vllm.machine": lambda: machine("sampling-vllm"),
+    "sampling-vllm.versions": lambda: "vLLM {vllm}, transformers {transformers}".format(
+        **provenance("sampling-vllm")["versions"]),
+    "sampling-vllm.ratio": lambda: ratio("sampling-vllm", "ratio to transformers (target >= 2)", 1),
+    "sampling-vllm.start": lambda: f"{load('sampling-vllm')['vllm']['start_seconds']:.0f} s",
+    "sampling-vllm.reload": lambda: f"{statistics.median(load('sampling-vllm')['vllm']['reload_seconds']):.2f} s",
+    "precision.table": lambda: table("precision"),
+    "precision.machine": lambda: machine("precision"),
+    "precision.ratio": lambda: f"{load('precision')['bf16_over_fp32']:.2f}",
+    "precision.picks": lambda: load("precision")["picks"],
+    # one NVIDIA H100 (logs of benchmarks/gpu.sh)
+    "gpu-h100.cost": lambda: table("gpu-h100", "cost-reps2.log"),
+    "gpu-h100.qlora": lambda: table("gpu-h100", "qlora.log"),
+    "gpu-h100.sampling": lambda: table("gpu-h100", "sampling.log"),
+    "gpu-h100.profile": lambda: table("gpu-h100", "profile.log"),
+    "gpu-h100.machine": lambda: machine("gpu-h100"),
+    "gpu-h100.versions": lambda: ", ".join(f"{k} {v}" for k, v in provenance("gpu-h100")["versions"].items()),
+    "gpu-h100.commit": lambda: provenance("gpu-h100", 0)["commit"][:7],
+    "gpu-h100.tests": lambda: re.search(r"\d+ passed(, \d+ skipped)?", load("gpu-h100", "tests.log")).group(0),
+    "gpu-h100.qlora_step": lambda: span(column(table("gpu-h100", "qlora.log"), "TOPR/SFT")),
+    "gpu-h100.recipe": gpu_recipe_table,
+    # the verifier recipe's embedded configuration
+    "verifier.tables": verifier_tables,
+    "verifier.time": lambda: duration(provenance("verifier-embedded")["seconds"]),
+    "verifier.machine": lambda: machine("verifier-embedded"),
+    "verifier.correct": lambda: f"{load('verifier-embedded', 'verifier_results.json')['labels']['test']:.3f}",
+    "verifier.constant": lambda: f"{max(p := load('verifier-embedded', 'verifier_results.json')['labels']['test'], 1 - p):.3f}",  # noqa: E501
+}
 
 
 # ------------------------------------------------------------------------------------------------------ rewriting
@@ -403,8 +417,9 @@ def main(argv=None) -> int:
         return 1 if found else 0
     for path in DOCS:
         text = path.read_text()
-        if render(text) != text:
-            path.write_text(render(text))
+        rendered = render(text)
+        if rendered != text:
+            path.write_text(rendered)
             print(f"rewrote {path.relative_to(ROOT)}")
     for image, source in FIGURES.items():
         shutil.copy(RESULTS / source, ROOT / "docs" / "images" / image)

@@ -121,6 +121,10 @@ def test_provenance_command_records_a_command_its_log_and_kept_files(tmp_path):
     assert failed.returncode == 3
     runs = json.loads((out / "provenance.json").read_text())["runs"]
     assert [r["exit_status"] for r in runs] == [0, 3] and runs[1]["log"] == "fail.txt"
+    # a part run again under the same log replaces its entry; the other parts stay
+    subprocess.run([*command[:3], "--append", "--log", "fail.txt", "--", "python", "-c", "exit(0)"])
+    runs = json.loads((out / "provenance.json").read_text())["runs"]
+    assert [(r["log"], r["exit_status"]) for r in runs] == [("log.txt", 0), ("fail.txt", 0)]
 
 
 def test_iterative_benchmark_resumes_and_gives_every_method_the_same_budget(capsys, tmp_path):
@@ -163,6 +167,9 @@ def test_iterative_benchmark_resumes_and_gives_every_method_the_same_budget(caps
     runs = json.loads((tmp_path / "out" / "provenance.json").read_text())["runs"]
     command = "python benchmarks/iterative.py " + " ".join(options)
     assert [run["command"] for run in runs] == [f"{command} --time_limit 0", command, f"{command} --report_only"]
+    iterative.main(options + ["--report_only"])  # the same command again is another call: recorded again
+    runs = json.loads((tmp_path / "out" / "provenance.json").read_text())["runs"]
+    assert [run["command"] for run in runs][2:] == [f"{command} --report_only"] * 2
 
 
 def test_iterative_sweep_climbs_the_grid_and_stops_past_the_peak():
