@@ -196,7 +196,7 @@ def main(argv=None) -> str:
     title = (f"{model_name}, {str(dtype).removeprefix('torch.')} weights, {device}: {len(prompts)} prompts x "
              f"{args.num_samples} samples, {args.max_new_tokens} new tokens, batch {args.batch_size}; precompute in "
              f"{precision}; median of {args.reps} alternating reps; weights hash (the cache key of datasets read from "
-             "files) " f"{hash_s:.2f} s; tokens per rep: " + ", ".join(f"{k} {v}" for k, v in tokens.items()))
+             f"files) {hash_s:.2f} s; tokens per rep: " + ", ".join(f"{k} {v}" for k, v in tokens.items()))
     results = {"title": title, "settings": {**settings, "reps": args.reps, "model": model_name, "device": device,
                                             "precompute_precision": precision},
                "tokens_per_s": rate, "tokens": tokens, "seconds": times, "hash_seconds": hash_s, "vllm": vllm_results}
@@ -207,8 +207,9 @@ def main(argv=None) -> str:
     return table if not args.vllm else vllm_table + "\n\n" + table
 
 
-def vllm_comparison(model, tokenizer, prompts, work, args, settings) -> str:
-    """vLLM (colocated, as the loop starts it) against transformers, both through `generate_completions`."""
+def vllm_comparison(model, tokenizer, prompts, work, args, settings) -> tuple[str, dict]:
+    """vLLM (colocated, as the loop starts it) against transformers, both through `generate_completions`: its
+    title and table, and its results."""
     import torch
 
     from trl_topr import TOPRConfig, generate_completions
