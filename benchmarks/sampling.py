@@ -9,7 +9,7 @@ In one process, on the same model, prompts and batches, alternating A and B --re
               B: the same batches through `tokenizer.pad` + `model.generate` directly, same seed and settings
   precompute  A: TOPRTrainer's behavior-log-prob precompute (dataloader, autocast, fused LM head, gather)
               B: a plain loop `model(input_ids, attention_mask)` + log_softmax + gather over the same collated batches
-              and, to locate the difference, the precompute's forward alone (`TOPRTrainer._completion_logps`, fused LM
+              and, to locate the difference, the precompute's forward alone (`trl_topr.behavior.completion_logps`, fused LM
               head) over those batches, and the weights hash alone (the precompute's cache key, for datasets read
               from files; none here)
 Tokens/s counts generated tokens (sampling) and all tokens of the scored sequences (precompute).
@@ -120,6 +120,7 @@ def main(argv=None) -> str:
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     from trl_topr import TOPRConfig, TOPRTrainer, generate_completions
+    from trl_topr.behavior import completion_logps
     from trl_topr.data import BEHAVIOR_LOGPS
     from trl_topr.distributed import weights_fingerprint
 
@@ -165,7 +166,7 @@ def main(argv=None) -> str:
                    for i in range(0, len(columns), args.batch_size)]
         batches = [{k: v.to(model.device) for k, v in batch.items()} for batch in batches]
         scorers = {"forward": lambda batch: plain_logps(model, batch),
-                   "fused": lambda batch: trainer._completion_logps(trainer.model, batch)[0]}  # the trainer's own
+                   "fused": lambda batch: completion_logps(trainer.model, batch)[0]}  # the trainer's own
         times.update(fused=[], hash=[])
         for rep in range(args.reps):
             order = ["precompute", "forward", "fused"]
@@ -213,13 +214,13 @@ def vllm_comparison(model, tokenizer, prompts, work, args, settings) -> tuple[st
     import torch
 
     from trl_topr import TOPRConfig, generate_completions
-    from trl_topr.vllm import vllm_generation_from_config
+    from trl_topr.generation import VLLMEngine
 
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
     config = TOPRConfig(output_dir=str(Path(work) / "vllm"), use_cpu=not torch.cuda.is_available(), bf16=False,
                         report_to="none", use_vllm=True, vllm_max_model_length=2048)
     start = time.perf_counter()
-    engine = vllm_generation_from_config(model, tokenizer, config)
+    engine = VLLMEngine.from_config(model, tokenizer, config)
     start_s = time.perf_counter() - start
     folder = str(Path(work) / "round")
     model.save_pretrained(folder)
@@ -229,12 +230,12 @@ def vllm_comparison(model, tokenizer, prompts, work, args, settings) -> tuple[st
             torch.manual_seed(rep)
             start = time.perf_counter()
             _, ids, _ = generate_completions(model, tokenizer, prompts, temperature=1.0, top_k=0, progress=False,
-                                             seed=rep, vllm_generation=engine if name == "vllm" else None,
+                                             seed=rep, engine=engine if name == "vllm" else None,
                                              bf16=False, **settings)  # fmt: skip
             times[name].append(time.perf_counter() - start)
             tokens[name] = sum(map(len, ids))
         start = time.perf_counter()
-        engine.reload_weights(folder)
+        engine.vllm_generation.reload_weights(folder)  # timed: the engine itself skips a folder it holds
         reload_s.append(time.perf_counter() - start)
     rate = {name: tokens[name] / statistics.median(t) for name, t in times.items()}
     vllm_round = tokens["vllm"] / (statistics.median(times["vllm"]) + statistics.median(reload_s))

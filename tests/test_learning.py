@@ -7,6 +7,7 @@ from conftest import make_args
 from datasets import Dataset
 
 from trl_topr import TOPRTrainer
+from trl_topr.behavior import completion_logps
 
 
 def paired_dataset() -> Dataset:
@@ -27,7 +28,7 @@ def mean_sequence_logps(trainer) -> tuple[float, float]:
     trainer.model.eval()
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(trainer.train_dataset))])
     batch = {k: v.to(trainer.model.device) for k, v in batch.items()}
-    per_token_logps, mask, _ = trainer._completion_logps(trainer.model, batch)
+    per_token_logps, mask, _ = completion_logps(trainer.model, batch)
     sequence_logps = (per_token_logps * mask).sum(-1)
     positive = batch["rewards"] > 0
     trainer.model.train()

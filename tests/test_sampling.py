@@ -205,13 +205,13 @@ def test_sampling_leaves_the_model_usable_for_training(model_and_tokenizer, tmp_
 def test_use_vllm_without_vllm_says_how_to_install(model_and_tokenizer, tmp_path):
     import importlib.util
 
-    from trl_topr.vllm import vllm_generation_from_config
+    from trl_topr.generation import generation_engine
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed: this checks the message shown without it")
     model, tokenizer = model_and_tokenizer
     with pytest.raises(ImportError, match=r"pip install trl-topr\[vllm\]"):
-        vllm_generation_from_config(model, tokenizer, make_args(tmp_path, use_vllm=True))
+        generation_engine(model, tokenizer, make_args(tmp_path, use_vllm=True))
 
 
 def test_vllm_options_are_checked(tmp_path):
@@ -248,7 +248,7 @@ def test_vllm_engine_on_gpu(tiny_model_path, tmp_path):
 def test_shared_prompt_cache_generates_what_plain_generation_does(model_and_tokenizer):
     # Each prompt's key/values are computed once for its copies: greedy decoding from the shared cache and from
     # copies of the prompts give the same tokens, prompts of different lengths (left padding) included.
-    from trl_topr.sampling import _cache_argument, _prompt_cache_inputs
+    from trl_topr.generation.transformers_engine import _cache_argument, _prompt_cache_inputs
 
     model, tokenizer = model_and_tokenizer
     ids = [tokenizer(text)["input_ids"] for text in ("What is 2 + 3?", "Tell me a story about a cat and a dog.")]

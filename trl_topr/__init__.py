@@ -12,6 +12,7 @@ from .config import TOPRConfig
 from .curation import anna_karenina, baseline_for_target, composition_report, rebalance
 from .data import DataCollatorForTOPR, TOPRDataError
 from .evaluation import best_of_n, evaluate_policy, weighted_vote
+from .generation import SamplingSettings, generation_engine
 from .loop import read_rounds, run_topr_loop
 from .loss import topr_loss, topr_weights
 from .online import TOPRGRPOConfig, TOPRGRPOTrainer
@@ -30,6 +31,7 @@ from .verifier import verifier_prompts
 
 __all__ = [
     "DataCollatorForTOPR",
+    "SamplingSettings",
     "TOPRConfig",
     "TOPRDataError",
     "TOPRGRPOConfig",
@@ -45,6 +47,7 @@ __all__ = [
     "extract_final_answer",
     "extract_verdict",
     "generate_completions",
+    "generation_engine",
     "gsm8k_invalid",
     "gsm8k_reward",
     "read_rounds",

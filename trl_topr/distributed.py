@@ -13,8 +13,11 @@ log-prob precompute) needs them whole. One rule for all of them:
 
 import contextlib
 import hashlib
+from collections.abc import Callable, Sequence
 
 import torch
+from accelerate import PartialState
+from accelerate.utils import gather_object
 from torch.distributed.tensor import DTensor
 
 
@@ -163,3 +166,46 @@ def check_saves_whole_weights(trainer) -> None:
             "`fsdp_state_dict_type: FULL_STATE_DICT` in the Accelerate configuration (found "
             f"{state.fsdp_plugin.state_dict_type})."
         )
+
+
+def map_across_processes(items: Sequence, work: Callable[[list, int], list]) -> list:
+    """
+    Run `work` over `items` split across the processes (`accelerate launch`), and give every process all the results,
+    in the order of `items`: the one place where trl-topr splits work (generation, behavior log-probs) between
+    processes.
+
+    Each process gets an equal contiguous share, the last shares padded with copies of the last item (their results
+    are dropped after gathering): under FSDP2 and ZeRO-3 every forward is a collective, so every process must run as
+    many batches. (accelerate's `split_between_processes` with `apply_padding` pads each short share in place, which
+    leaves the copies mid-list after gathering, and fails for a process that gets no item at all.)
+
+    Args:
+        items (`Sequence`):
+            The work items (e.g. prompts, or tokenized rows).
+        work (`Callable[[list, int], list]`):
+            Called on every process as `work(share, first)`, with its share and the index of the share's first item in
+            `items`; returns one result per item of the share.
+
+    Returns:
+        `list`: one result per item, the same list on every process.
+
+    Example:
+    ```python
+    >>> from trl_topr.distributed import map_across_processes
+
+    >>> map_across_processes([1, 2, 3], lambda share, first: [x * 10 for x in share])
+    [10, 20, 30]
+
+    ```
+    """
+    state = PartialState()
+    items = list(items)
+    if state.num_processes == 1:
+        return list(work(items, 0))
+    padded = items + items[-1:] * (-len(items) % state.num_processes)
+    size = len(padded) // state.num_processes
+    first = state.process_index * size
+    results = list(work(padded[first : first + size], first))
+    if len(results) != size:
+        raise ValueError(f"`work` returned {len(results)} results for {size} items.")
+    return gather_object(results)[: len(items)]

@@ -4,10 +4,11 @@ the votes over sampled answers (majority, verifier-weighted, best-of-n)."""
 from collections.abc import Callable, Sequence
 
 from datasets import Dataset
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, set_seed
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .data import PROMPT, completion_text
-from .sampling import end_of_sequence_ids, generate_completions, score_completions
+from .generation import GenerationEngine, SamplingSettings, TransformersEngine, prompt_ids
+from .sampling import _deprecated_vllm_generation, decode_completions, score_completions
 
 
 def evaluate_policy(
@@ -26,6 +27,7 @@ def evaluate_policy(
     seed: int = 0,
     progress: bool = True,
     bf16: bool | None = None,
+    engine: GenerationEngine | None = None,
     vllm_generation=None,
 ) -> dict[str, float]:
     """
@@ -61,9 +63,12 @@ def evaluate_policy(
         progress (`bool`, *optional*, defaults to `True`):
             Show progress bars.
         bf16 (`bool`, *optional*):
-            Generate under bf16 autocast. Defaults to the hardware (see [`~trl_topr.precision.has_native_bf16`]).
-        vllm_generation ([`~trl_topr.vllm.TOPRVLLMGeneration`], *optional*):
-            Generate with this vLLM sampler, holding the policy's weights, instead of transformers.
+            Generate under bf16 autocast (transformers). Defaults to the hardware (see
+            [`~trl_topr.precision.has_native_bf16`]).
+        engine ([`~trl_topr.generation.GenerationEngine`], *optional*):
+            Generate with this engine (e.g. vLLM), holding the policy's weights, instead of `model.generate`.
+        vllm_generation ([`~trl_topr.generation.vllm_engine.TOPRVLLMGeneration`], *optional*):
+            Deprecated: use `engine`.
 
     Returns:
         `dict[str, float]`: `pass@1_greedy` (greedy accuracy), `pass@1` (mean accuracy of the samples),
@@ -71,8 +76,49 @@ def evaluate_policy(
         without a final answer), `invalid_rate_greedy`, and two signs of degeneration: `truncated_rate` (share of
         samples that reach `max_new_tokens` without ending) and `mean_length` (mean sample length in tokens).
     """
+    settings = SamplingSettings(num_samples=num_samples, temperature=temperature, top_p=top_p, top_k=top_k,
+                                max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed)  # fmt: skip
+    engine = engine or _deprecated_vllm_generation(vllm_generation, model, processing_class)
+    engine = engine or TransformersEngine(model, processing_class, bf16=bf16)
+    return evaluate_with_engine(engine, processing_class, dataset, correct_func, answer_func, settings, progress)
+
+
+def evaluate_with_engine(
+    engine: GenerationEngine,
+    processing_class: PreTrainedTokenizerBase,
+    dataset: Dataset,
+    correct_func: Callable,
+    answer_func: Callable[[str], str | None],
+    settings: SamplingSettings,
+    progress: bool = True,
+) -> dict[str, float]:
+    """
+    [`evaluate_policy`] with the policy in a generation engine and the settings in one object: greedy decoding, then
+    `settings.num_samples` samples per prompt.
+
+    Args:
+        engine ([`~trl_topr.generation.GenerationEngine`]):
+            The engine holding the policy.
+        processing_class ([`~transformers.PreTrainedTokenizerBase`]):
+            Its tokenizer.
+        dataset ([`~datasets.Dataset`]):
+            Held-out prompts and the columns `correct_func` needs.
+        correct_func (`Callable`):
+            Reward function; value > 0 means correct.
+        answer_func (`Callable[[str], str | None]`):
+            Final-answer extractor.
+        settings ([`~trl_topr.generation.SamplingSettings`]):
+            How to sample the k samples (k = `num_samples`).
+        progress (`bool`, *optional*, defaults to `True`):
+            Show progress bars.
+
+    Returns:
+        `dict[str, float]`: as [`evaluate_policy`].
+    """
     prompts = list(dataset[PROMPT])
     columns = {c: list(dataset[c]) for c in dataset.column_names if c != PROMPT}
+    ids = [prompt_ids(processing_class, p) for p in prompts]
+    k = settings.num_samples
 
     def correctness(completions, repeats):
         repeated = {c: [v for v in values for _ in range(repeats)] for c, values in columns.items()}
@@ -80,25 +126,18 @@ def evaluate_policy(
         _, per_func = score_completions(prompt_list, completions, {"correct": correct_func}, **repeated)
         return [value > 0 for value in per_func["correct"]]
 
-    settings = dict(max_new_tokens=max_new_tokens, batch_size=batch_size, progress=progress, bf16=bf16,
-                    vllm_generation=vllm_generation)  # fmt: skip
-    greedy, _, _ = generate_completions(model, processing_class, prompts, temperature=0, **settings)
-    set_seed(seed)
-    sampled, sampled_ids, _ = generate_completions(
-        model, processing_class, prompts, num_samples=num_samples, temperature=temperature, top_p=top_p, top_k=top_k,
-        seed=seed, **settings,
-    )  # fmt: skip
-    greedy_correct, sampled_correct = correctness(greedy, 1), correctness(sampled, num_samples)
+    greedy = decode_completions(processing_class, prompts, engine.generate(ids, settings.greedy(), progress).completion_ids)
+    sampled_ids = engine.generate(ids, settings, progress).completion_ids
+    sampled = decode_completions(processing_class, prompts, sampled_ids)
+    greedy_correct, sampled_correct = correctness(greedy, 1), correctness(sampled, k)
     sampled_answers = [answer_func(completion_text(c)) for c in sampled]
 
     majority_correct = []
     for i in range(len(prompts)):
-        group = range(i * num_samples, (i + 1) * num_samples)
+        group = range(i * k, (i + 1) * k)
         winner = weighted_vote([sampled_answers[j] for j in group])
         majority_correct.append(winner is not None and next(sampled_correct[j] for j in group
                                                             if sampled_answers[j] == winner))  # fmt: skip
-
-    eos_ids = end_of_sequence_ids(model, processing_class)
 
     def mean(values):
         return sum(values) / len(values) if values else 0.0
@@ -106,11 +145,12 @@ def evaluate_policy(
     return {
         "pass@1_greedy": mean(greedy_correct),
         "pass@1": mean(sampled_correct),
-        f"maj@{num_samples}": mean(majority_correct),
+        f"maj@{k}": mean(majority_correct),
         "invalid_rate": mean([answer is None for answer in sampled_answers]),
         "invalid_rate_greedy": mean([answer_func(completion_text(c)) is None for c in greedy]),
-        "truncated_rate": mean([len(ids) >= max_new_tokens and ids[-1] not in eos_ids for ids in sampled_ids]),
-        "mean_length": mean([len(ids) for ids in sampled_ids]),
+        "truncated_rate": mean([len(sample) >= settings.max_new_tokens and sample[-1] not in engine.eos_ids
+                                for sample in sampled_ids]),  # fmt: skip
+        "mean_length": mean([len(sample) for sample in sampled_ids]),
     }
 
 

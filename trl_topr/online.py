@@ -21,7 +21,7 @@ from .loss import (
     topr_loss,
 )
 from .trainer import TOPRTrainer, record_metrics
-from .vllm import TOPRVLLMGeneration
+from .generation.vllm_engine import TOPRVLLMGeneration
 
 
 # Options of GRPO's own loss, which TOPR's loss replaces, with the value that leaves them off.
@@ -180,7 +180,7 @@ class TOPRGRPOTrainer(GRPOTrainer):
             args = TOPRGRPOConfig(f"{model_name.split('/')[-1]}-TOPR-GRPO")
         elif not isinstance(args, TOPRGRPOConfig):
             raise TypeError(f"`args` must be a TOPRGRPOConfig, got {type(args).__name__}: swap GRPOConfig for it.")
-        # GRPO builds TRL's vLLM sampler inline; ours is TRL's class with vLLM's CPU build fixed (see `trl_topr.vllm`)
+        # GRPO builds TRL's vLLM sampler inline; ours is TRL's class with vLLM's CPU build fixed (see `trl_topr.generation.vllm_engine`)
         with _replaced(grpo_trainer, "VLLMGeneration", TOPRVLLMGeneration) if args.use_vllm else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, *more_args, **kwargs)
         self._topr_metrics = {"train": defaultdict(list), "eval": defaultdict(list)}

@@ -129,3 +129,22 @@ def autocast(device: str | torch.device, bf16: bool | None = None):
     kind = torch.device(device).type
     enabled = has_native_bf16(kind) if bf16 is None else bf16
     return torch.autocast(device_type=kind, dtype=torch.bfloat16, enabled=enabled)
+
+
+def training_autocast(args, device: str | torch.device):
+    """
+    The mixed precision context that a trainer built with `args` computes its forward in (what its
+    `accelerator.autocast()` gives): bf16 or fp16 autocast under `args.bf16` / `args.fp16`, else a no-op. The
+    behavior log-probs of fresh samples are computed in it, so that training on them starts at a ratio of 1.
+
+    Args:
+        args ([`~transformers.TrainingArguments`]):
+            The training configuration.
+        device (`str` or `torch.device`):
+            The model's device.
+
+    Returns:
+        `torch.autocast`: the context manager.
+    """
+    dtype = torch.bfloat16 if args.bf16 else torch.float16
+    return torch.autocast(device_type=torch.device(device).type, dtype=dtype, enabled=bool(args.bf16 or args.fp16))

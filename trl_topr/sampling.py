@@ -11,31 +11,31 @@ compares pi with. With temperature 1 and no top-p/top-k truncation the two coinc
 towards the model's own distribution, not the tempered or truncated one.
 """
 
-import contextlib
-import dataclasses
-import inspect
 import math
 import tempfile
-import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from accelerate import PartialState
 from accelerate.logging import get_logger
-from accelerate.utils import gather_object
 from datasets import Dataset
-from tqdm.auto import tqdm
-from transformers import AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase, set_seed
-from trl.data_utils import _tokenize
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from trl.trainer.utils import create_model_from_path
 
-from .config import CHECKPOINTING, TOPRConfig
+from .behavior import behavior_logps
+from .config import TOPRConfig
 from .data import BEHAVIOR_LOGPS, COMPLETION, COMPLETION_IDS, PROMPT, PROMPT_IDS, REWARD, TOPRDataError
-from .distributed import full_weights
-from .precision import autocast
-from .trainer import TOPRTrainer
-from .vllm import vllm_generation_from_config
+from .generation import (
+    GenerationEngine,
+    SamplingSettings,
+    TransformersEngine,
+    VLLMEngine,
+    end_of_sequence_ids,
+    generation_engine,
+    prompt_ids,
+)
+from .precision import training_autocast
 
 
 logger = get_logger(__name__)
@@ -124,35 +124,58 @@ def vllm_sampling_kwargs(
     num_samples: int, temperature: float, top_p: float, top_k: int, max_new_tokens: int, seed: int | None
 ) -> dict[str, Any]:
     """
-    Arguments of `vllm.SamplingParams` equivalent to the transformers settings of [`generate_completions`].
+    Deprecated: use [`~trl_topr.generation.SamplingSettings`]'s `vllm_kwargs`.
 
     Args:
         num_samples (`int`): Completions per prompt.
-        temperature (`float`): Sampling temperature; 0 is greedy (one completion, repeated).
+        temperature (`float`): Sampling temperature; 0 is greedy.
         top_p (`float`): Nucleus sampling threshold.
-        top_k (`int`): Top-k, 0 to disable (vLLM's -1).
+        top_k (`int`): Top-k, 0 to disable.
         max_new_tokens (`int`): Maximum completion length.
         seed (`int`, *optional*): Seed of the sampling.
 
     Returns:
         `dict[str, Any]`: keyword arguments of `vllm.SamplingParams`.
-
-    Example:
-    ```python
-    >>> vllm_sampling_kwargs(16, 1.0, 1.0, 500, 512, seed=0)
-    {'n': 16, 'temperature': 1.0, 'top_p': 1.0, 'top_k': 500, 'max_tokens': 512, 'seed': 0}
-
-    ```
     """
-    greedy = temperature == 0
-    return {
-        "n": 1 if greedy else num_samples,
-        "temperature": temperature,
-        "top_p": 1.0 if greedy else top_p,
-        "top_k": -1 if greedy or top_k <= 0 else top_k,
-        "max_tokens": max_new_tokens,
-        "seed": seed,
-    }
+    warnings.warn("`vllm_sampling_kwargs(...)` is deprecated: use `SamplingSettings(...).vllm_kwargs()` "
+                  "(`trl_topr.generation`).", FutureWarning, stacklevel=2)  # fmt: skip
+    return SamplingSettings(num_samples=num_samples, temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
+                            max_new_tokens=max_new_tokens, seed=seed).vllm_kwargs()  # fmt: skip
+
+
+def _deprecated_vllm_generation(vllm_generation, model, processing_class) -> VLLMEngine | None:
+    # `vllm_generation=` (a `TOPRVLLMGeneration`), the argument that `engine=` replaced
+    if vllm_generation is None:
+        return None
+    warnings.warn("`vllm_generation=` is deprecated: pass `engine=` a generation engine "
+                  "(`trl_topr.generation.generation_engine(model, processing_class, args)`).", FutureWarning,
+                  stacklevel=3)  # fmt: skip
+    return VLLMEngine(vllm_generation, end_of_sequence_ids(model, processing_class))
+
+
+def decode_completions(processing_class: PreTrainedTokenizerBase, prompts: list, completion_ids: list[list[int]]) -> list:
+    """
+    The completions' text, as messages for conversational prompts.
+
+    Args:
+        processing_class ([`~transformers.PreTrainedTokenizerBase`]):
+            The tokenizer.
+        prompts (`list`):
+            The prompts, text or messages.
+        completion_ids (`list[list[int]]`):
+            Their completions, prompt-major, the same number per prompt.
+
+    Returns:
+        `list`: text, or `[{"role": "assistant", "content": text}]` for a conversational prompt.
+    """
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    per_prompt = len(completion_ids) // max(len(prompts), 1)
+    completions = []
+    for index, ids in enumerate(completion_ids):
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        prompt = prompts[index // per_prompt]
+        completions.append([{"role": "assistant", "content": text}] if isinstance(prompt, list) else text)
+    return completions
 
 
 def generate_completions(
@@ -167,12 +190,13 @@ def generate_completions(
     max_new_tokens: int = 256,
     batch_size: int = 16,
     seed: int | None = None,
-    vllm_generation=None,
+    engine: GenerationEngine | None = None,
     progress: bool = True,
     bf16: bool | None = None,
+    vllm_generation=None,
 ) -> tuple[list, list[list[int]], float]:
     """
-    Generate `num_samples` completions per prompt, with `model.generate` (batched, left padding) or vLLM.
+    Generate `num_samples` completions per prompt, with `model.generate` (batched, left padding) or another engine.
 
     Prompts are tokenized as [`TOPRTrainer`] tokenizes them (the chat template with a generation prompt for messages),
     so the model samples in the context it is trained in. `temperature=0` decodes greedily. Under several processes
@@ -182,7 +206,7 @@ def generate_completions(
 
     Args:
         model ([`~transformers.PreTrainedModel`]):
-            Causal LM (its generation config still gives the end-of-sequence tokens with `vllm_generation`).
+            Causal LM.
         processing_class ([`~transformers.PreTrainedTokenizerBase`]):
             Its tokenizer.
         prompts (`list`):
@@ -200,170 +224,36 @@ def generate_completions(
         batch_size (`int`, *optional*, defaults to `16`):
             Prompts per `generate` call (each yields `num_samples` sequences); vLLM gets every prompt at once.
         seed (`int`, *optional*):
-            Seed of vLLM's sampling (transformers uses the global seed: call `set_seed` first).
-        vllm_generation ([`~trl_topr.vllm.TOPRVLLMGeneration`], *optional*):
-            Generate with this vLLM sampler (colocated engine or server) instead of transformers. It must hold the
-            same weights as `model`.
+            Seed of the sampling (see [`~trl_topr.generation.SamplingSettings`]).
+        engine ([`~trl_topr.generation.GenerationEngine`], *optional*):
+            Generate with this engine (e.g. vLLM, from [`~trl_topr.generation.generation_engine`]) instead of
+            `model.generate`. It must hold the same weights as `model`.
         progress (`bool`, *optional*, defaults to `True`):
             Show a progress bar over prompts, with the throughput.
         bf16 (`bool`, *optional*):
-            Generate under bf16 autocast. Defaults to the hardware: where the model's device computes bf16 natively
-            (see [`~trl_topr.precision.has_native_bf16`]).
+            Generate under bf16 autocast (transformers). Defaults to the hardware: where the model's device computes
+            bf16 natively (see [`~trl_topr.precision.has_native_bf16`]).
+        vllm_generation ([`~trl_topr.generation.vllm_engine.TOPRVLLMGeneration`], *optional*):
+            Deprecated: use `engine`.
 
     Returns:
         `tuple[list, list[list[int]], float]`: the completions (prompt-major: the samples of prompt 0 first; messages
         for conversational prompts), their token ids up to and including the first end-of-sequence token, and the
         generation throughput in tokens/s.
     """
-    completions, sequences, _, tokens_per_s = _generate(
-        model, processing_class, prompts, num_samples=num_samples, temperature=temperature, top_p=top_p, top_k=top_k,
-        max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed, vllm_generation=vllm_generation,
-        progress=progress, bf16=bf16,
-    )  # fmt: skip
-    return completions, sequences, tokens_per_s
-
-
-def _generate(model, processing_class, prompts, *, num_samples, progress, vllm_generation, **settings):
-    # `generate_completions`, with the sampler's log-prob of each completion token (vLLM) or `None` (transformers)
-    state = PartialState()
-    settings.update(num_samples=num_samples, vllm_generation=vllm_generation)
-    # The model's weights are read whole by transformers' generate (gathered once under ZeRO-3), not by vLLM
-    gathered = full_weights(model) if model is not None and vllm_generation is None else contextlib.nullcontext()
-    if state.num_processes == 1:
-        with gathered:
-            return _generate_local(model, processing_class, prompts, progress=progress, **settings)
-    # Each process generates an equal contiguous share of the prompts, the last shares padded with copies of the last
-    # prompt (dropped after gathering): under FSDP2 and ZeRO-3 every forward is a collective, so every process runs
-    # as many batches (and `generate` keeps their steps in sync). Gathering in rank order restores the order.
-    # (accelerate's `apply_padding` pads each short share in place, which leaves the copies mid-list after gathering,
-    # and fails for a process that gets no prompt at all.)
+    settings = SamplingSettings(num_samples=num_samples, temperature=temperature, top_p=top_p, top_k=top_k,
+                                max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed)  # fmt: skip
+    engine = engine or _deprecated_vllm_generation(vllm_generation, model, processing_class)
+    engine = engine or TransformersEngine(model, processing_class, bf16=bf16)
     prompts = list(prompts)
-    padded = prompts + prompts[-1:] * (-len(prompts) % state.num_processes)
-    if settings.get("seed") is not None:  # vLLM seeds prompt i with seed + i, whatever the number of processes
-        settings["seed"] += state.process_index * (len(padded) // state.num_processes)
-    with state.split_between_processes(padded) as shard, gathered:
-        completions, sequences, logprobs, tokens_per_s = _generate_local(
-            model, processing_class, shard, progress=progress and state.is_main_process, **settings
-        )
-    kept = len(prompts) * num_samples
-    logprobs = None if logprobs is None else gather_object(logprobs)[:kept]
-    return (gather_object(completions)[:kept], gather_object(sequences)[:kept], logprobs,
-            sum(gather_object([tokens_per_s])))  # fmt: skip
-
-
-def end_of_sequence_ids(model: PreTrainedModel | None, processing_class: PreTrainedTokenizerBase) -> set[int]:
-    """The token ids that end a generation: the tokenizer's EOS and those of the model's generation config."""
-    tokenizer = getattr(processing_class, "tokenizer", processing_class)
-    eos_ids = {tokenizer.eos_token_id}
-    if model is not None and model.generation_config.eos_token_id is not None:
-        configured = model.generation_config.eos_token_id
-        eos_ids |= set(configured if isinstance(configured, list) else [configured])
-    return eos_ids
-
-
-def _prompt_ids(processing_class, prompt) -> list[int]:
-    # As TOPRTrainer tokenizes a prompt: text as is, messages with the chat template and its generation prompt.
-    if isinstance(prompt, list):
-        return _tokenize(processing_class, prompt, add_generation_prompt=True)["input_ids"]
-    return _tokenize(processing_class, prompt)["input_ids"]
-
-
-def _prompt_cache_inputs(model: PreTrainedModel, inputs: dict[str, torch.Tensor], copies: int) -> dict[str, Any]:
-    """
-    Inputs of `model.generate` for `copies` completions of each prompt of `inputs` (left-padded `input_ids` and
-    `attention_mask`), with the prompts' key/values computed once and shared by their copies, as a cache of all but
-    the last prompt token. `model.generate(num_return_sequences=copies)` would compute them for every copy: with
-    several samples per prompt, the prompts are most of the cost.
-    """
-    expanded = {name: tensor.repeat_interleave(copies, dim=0) for name, tensor in inputs.items()}
-    if copies == 1 or inputs["input_ids"].size(1) < 2 or not model._supports_default_dynamic_cache():
-        return expanded
-    cache = DynamicCache(config=model.config)
-    name = _cache_argument(model)
-    model(input_ids=inputs["input_ids"][:, :-1], attention_mask=inputs["attention_mask"][:, :-1],
-          **{name: cache}, use_cache=True)  # fmt: skip
-    cache.batch_repeat_interleave(copies)
-    return {**expanded, name: cache}
-
-
-def _cache_argument(model: PreTrainedModel) -> str:
-    # transformers 5.24 renamed the `past_key_values` argument of `forward` and `generate` to `cache` (the old name
-    # warns until its removal); earlier versions know only the old one
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
-
-
-@torch.no_grad()
-def _generate_local(
-    model, processing_class, prompts, *, num_samples, temperature, top_p, top_k, max_new_tokens, batch_size, seed,
-    vllm_generation, progress, bf16,
-):
-    tokenizer = getattr(processing_class, "tokenizer", processing_class)
-    eos_ids = end_of_sequence_ids(model, processing_class)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    greedy = temperature == 0
-    sequences, logprobs, start = [], [], time.perf_counter()
-    bar = tqdm(total=len(prompts), desc="Sampling", unit="prompt", disable=not progress)
-    was_training = model is not None and model.training
-    if model is not None:
-        model.eval()
-    # vLLM schedules its own batches: it gets every prompt at once
-    step = max(len(prompts), 1) if vllm_generation is not None else batch_size
-    for first in range(0, len(prompts), step):
-        batch = prompts[first : first + step]
-        prompt_ids = [_prompt_ids(processing_class, p) for p in batch]
-        generated_logprobs = None
-        if vllm_generation is not None:
-            kwargs = vllm_sampling_kwargs(num_samples, temperature, top_p, top_k, max_new_tokens,
-                                          None if seed is None else seed + first)  # fmt: skip
-            generated, generated_logprobs = vllm_generation.sample(prompt_ids, kwargs)
-        else:
-            inputs = tokenizer.pad({"input_ids": prompt_ids}, padding_side="left", return_tensors="pt").to(model.device)
-            with autocast(model.device, bf16):
-                outputs = model.generate(
-                    **_prompt_cache_inputs(model, dict(inputs), 1 if greedy else num_samples),
-                    do_sample=not greedy,
-                    temperature=None if greedy else temperature,
-                    top_p=None if greedy else top_p,
-                    top_k=None if greedy else top_k,
-                    max_new_tokens=max_new_tokens,
-                    pad_token_id=pad_id,
-                )
-            generated = outputs[:, inputs["input_ids"].size(1) :].tolist()
-        if greedy:  # every sample of a prompt is the same greedy completion
-            generated = [ids for ids in generated for _ in range(num_samples)]
-            if generated_logprobs is not None:
-                generated_logprobs = [lp for lp in generated_logprobs for _ in range(num_samples)]
-        # cut at the first end-of-sequence token (what follows is padding)
-        cut = [next((i + 1 for i, t in enumerate(ids) if t in eos_ids), len(ids)) for ids in generated]
-        sequences += [ids[:end] for ids, end in zip(generated, cut, strict=True)]
-        if generated_logprobs is None:
-            logprobs = None
-        elif logprobs is not None:
-            logprobs += [lp[:end] for lp, end in zip(generated_logprobs, cut, strict=True)]
-        bar.update(len(batch))
-        bar.set_postfix(tokens_per_s=f"{sum(map(len, sequences)) / (time.perf_counter() - start):.0f}")
-    bar.close()
-    if model is not None:
-        model.train(was_training)
-    completions = []
-    for index, ids in enumerate(sequences):
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        prompt = prompts[index // num_samples]
-        completions.append([{"role": "assistant", "content": text}] if isinstance(prompt, list) else text)
-    return completions, sequences, logprobs, sum(map(len, sequences)) / max(time.perf_counter() - start, 1e-9)
-
-
-class _SelfScorer(TOPRTrainer):
-    # Computes the behavior log-probs of samples exactly as training will; mu is the sampling model itself, as
-    # expected, so no warning about it.
-    _behavior_is_this_model = True
+    out = engine.generate([prompt_ids(processing_class, p) for p in prompts], settings, progress=progress)
+    return decode_completions(processing_class, prompts, out.completion_ids), out.completion_ids, out.tokens_per_s
 
 
 def _checked_prompt_ids(processing_class, prompts: list, max_length: int | None) -> list[list[int]]:
     # The prompts' token ids, each checked before anything is generated: a prompt of `max_length` tokens or more
     # leaves no completion token to train on.
-    all_ids = [_prompt_ids(processing_class, prompt) for prompt in prompts]
+    all_ids = [prompt_ids(processing_class, prompt) for prompt in prompts]
     for row, ids in enumerate(all_ids):
         length = len(ids)
         if max_length is not None and length >= max_length:
@@ -390,8 +280,9 @@ def sample_completions(
     seed: int = 0,
     batch_size: int = 16,
     args: TOPRConfig | None = None,
-    vllm_generation=None,
+    engine: GenerationEngine | None = None,
     progress: bool = True,
+    vllm_generation=None,
 ) -> Dataset:
     """
     Sample a TOPR dataset: completions of the prompts by `model`, their rewards, and their behavior log-probs.
@@ -425,14 +316,17 @@ def sample_completions(
             Prompts per generation batch, and batch size of the behavior log-prob computation.
         args ([`TOPRConfig`], *optional*):
             The configuration the dataset will be trained with: its `max_length`, mixed precision and
-            `model_init_kwargs` set how the behavior log-probs are computed. Defaults to a default [`TOPRConfig`].
-            The returned columns always have the canonical names.
-        vllm_generation ([`~trl_topr.vllm.TOPRVLLMGeneration`], *optional*):
-            Generate with this vLLM sampler, holding the same weights as `model`. Without it, `args.use_vllm` starts
-            one for this call ([`~trl_topr.vllm.vllm_generation_from_config`]). The behavior log-probs come from
-            `args.behavior_logps_source`: recomputed by `model` as the trainer computes them (default), or vLLM's own.
+            `model_init_kwargs` set how the behavior log-probs are computed, its `use_vllm` the engine. Defaults to a
+            default [`TOPRConfig`]. The returned columns always have the canonical names.
+        engine ([`~trl_topr.generation.GenerationEngine`], *optional*):
+            Generate with this engine, holding the same weights as `model`. Without it, the engine `args` asks for
+            is built for this call ([`~trl_topr.generation.generation_engine`]) and closed after generating. The
+            behavior log-probs come from `args.behavior_logps_source`: recomputed by `model` as the trainer computes
+            them (default), or the engine's own (vLLM).
         progress (`bool`, *optional*, defaults to `True`):
             Show a progress bar over prompts.
+        vllm_generation ([`~trl_topr.generation.vllm_engine.TOPRVLLMGeneration`], *optional*):
+            Deprecated: use `engine`.
 
     Returns:
         [`~datasets.Dataset`]: one row per completion with `prompt`, `completion`, `reward`, `behavior_logps` (one
@@ -447,72 +341,110 @@ def sample_completions(
         [`TOPRDataError`]:
             Before anything is generated, when a prompt leaves no room for a completion within `args.max_length`.
     """
-
-    if PROMPT not in dataset.column_names:
-        raise ValueError(f"The prompts dataset needs a '{PROMPT}' column (found {dataset.column_names}).")
+    settings = SamplingSettings(num_samples=num_samples, temperature=temperature, top_p=top_p, top_k=top_k,
+                                max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed)  # fmt: skip
     with tempfile.TemporaryDirectory() as scratch:
         if args is None:
             args = TOPRConfig(output_dir=scratch, use_cpu=not torch.cuda.is_available(), report_to="none")
-        max_length = args.max_length
-        # The scoring trainer keeps every completion token (`max_length=None`): the per-token behavior log-probs cover
-        # the whole completion, and training truncates them with it, whatever its `max_length`.
-        args = dataclasses.replace(
-            args, output_dir=scratch, report_to="none", **{CHECKPOINTING: False}, shuffle_dataset=False,
-            precompute_behavior_batch_size=batch_size, push_to_hub=False, prompt_column=PROMPT, max_length=None,
-            completion_column=COMPLETION, reward_column=REWARD, behavior_logps_column=BEHAVIOR_LOGPS,
-            target_positive_fraction=None,  # scoring needs no baseline (and a one-sided sample has none)
-        )  # fmt: skip
         if isinstance(model, str):
             model = create_model_from_path(model, **(args.model_init_kwargs or {}))
-        args = dataclasses.replace(args, model_init_kwargs=None)  # the scoring trainer gets the loaded model
-        if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
-        prompts = list(dataset[PROMPT])
-        prompt_ids = _checked_prompt_ids(processing_class, prompts, max_length)
+        processing_class = processing_class or AutoTokenizer.from_pretrained(model.config._name_or_path)
+        engine = engine or _deprecated_vllm_generation(vllm_generation, model, processing_class)
+        return sample_with_engine(engine, model, processing_class, dataset, reward_funcs, settings, args,
+                                  reward_weights=reward_weights, progress=progress)  # fmt: skip
 
-        engine_of_this_call = vllm_generation is None and args.use_vllm
+
+def sample_with_engine(
+    engine: GenerationEngine | None,
+    model: PreTrainedModel,
+    processing_class: PreTrainedTokenizerBase,
+    dataset: Dataset,
+    reward_funcs: RewardFuncs,
+    settings: SamplingSettings,
+    args: TOPRConfig,
+    *,
+    reward_weights: list[float] | None = None,
+    progress: bool = True,
+) -> Dataset:
+    """
+    [`sample_completions`] with its settings in one object and its model loaded: generate with `engine` (or, when
+    `None`, one built from `args` for this call and closed after), score the rewards, and compute the behavior
+    log-probs with `model` as [`TOPRTrainer`] will compute log pi (or take the engine's, with
+    `behavior_logps_source="sampler"`).
+
+    Args:
+        engine ([`~trl_topr.generation.GenerationEngine`], *optional*):
+            The engine, holding `model`'s weights.
+        model ([`~transformers.PreTrainedModel`]):
+            The sampling policy.
+        processing_class ([`~transformers.PreTrainedTokenizerBase`]):
+            Its tokenizer.
+        dataset ([`~datasets.Dataset`]):
+            The prompts (see [`sample_completions`]).
+        reward_funcs (`Callable`, `list[Callable]` or `dict[str, Callable]`):
+            The reward functions.
+        settings ([`~trl_topr.generation.SamplingSettings`]):
+            How to sample.
+        args ([`TOPRConfig`]):
+            The training configuration (see [`sample_completions`]).
+        reward_weights (`list[float]`, *optional*):
+            Weights of the reward functions.
+        progress (`bool`, *optional*, defaults to `True`):
+            Show a progress bar.
+
+    Returns:
+        [`~datasets.Dataset`]: as [`sample_completions`].
+    """
+    if PROMPT not in dataset.column_names:
+        raise ValueError(f"The prompts dataset needs a '{PROMPT}' column (found {dataset.column_names}).")
+    prompts = list(dataset[PROMPT])
+    all_prompt_ids = _checked_prompt_ids(processing_class, prompts, args.max_length)
+    engine_of_this_call = engine is None
+    engine = engine or generation_engine(model, processing_class, args)
+    try:
+        out = engine.generate(all_prompt_ids, settings, progress=progress)
+    finally:
         if engine_of_this_call:
-            vllm_generation = vllm_generation_from_config(model, processing_class, args)
-        set_seed(seed + PartialState().process_index)  # processes sample different shares of the prompts
-        completions, completion_ids, sampler_logps, tokens_per_s = _generate(
-            model, processing_class, prompts, num_samples=num_samples, temperature=temperature, top_p=top_p,
-            top_k=top_k, max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
-            vllm_generation=vllm_generation, progress=progress, bf16=args.bf16,
-        )  # fmt: skip
-        if engine_of_this_call:
-            vllm_generation.close()  # its memory back before the trainer's forward
-        logger.info(f"Sampled {len(completions)} completions at {tokens_per_s:.1f} tokens/s.")
-        rows = [i for i in range(len(dataset)) for _ in range(num_samples)]
-        samples = dataset.select(rows)
-        others = {c: list(samples[c]) for c in samples.column_names if c not in (PROMPT, COMPLETION, REWARD)}
-        rewards, per_func = score_completions(
-            list(samples[PROMPT]), completions, reward_funcs, reward_weights, completion_ids, **others
-        )
-        replaced = (COMPLETION, REWARD, BEHAVIOR_LOGPS, PROMPT_IDS, COMPLETION_IDS, SAMPLER_LOGPS)
-        samples = samples.remove_columns([c for c in replaced if c in samples.column_names])
-        samples = samples.add_column(COMPLETION, completions).add_column(REWARD, rewards)
-        # The ids the model generated from and generated: what training trains on, exactly (no text round trip, no
-        # end-of-sequence token added to a completion cut at `max_new_tokens`).
-        samples = samples.add_column(PROMPT_IDS, [prompt_ids[row] for row in rows])
-        samples = samples.add_column(COMPLETION_IDS, completion_ids)
-        for name, values in per_func.items():
-            samples = samples.remove_columns(name) if name in samples.column_names else samples
-            samples = samples.add_column(name, values)
-        if sampler_logps is not None:
-            samples = samples.add_column(SAMPLER_LOGPS, sampler_logps)
-        if args.behavior_logps_source == "sampler":
-            if sampler_logps is None or any(v is None for row in sampler_logps for v in row):
-                raise ValueError("`behavior_logps_source='sampler'` needs vLLM's log-prob of every sampled token.")
-            return samples.add_column(BEHAVIOR_LOGPS, sampler_logps)
-        was_training = model.training
-        scorer = _SelfScorer(model, args=args, train_dataset=samples, processing_class=processing_class)
-        behavior = list(scorer.train_dataset[BEHAVIOR_LOGPS])
-        model.train(was_training)
-        samples = samples.add_column(BEHAVIOR_LOGPS, behavior)
-    if sampler_logps is not None:
+            engine.close()  # a vLLM engine's memory back before the behavior forward
+    logger.info(f"Sampled {len(out.completion_ids)} completions at {out.tokens_per_s:.1f} tokens/s.")
+    rows = [i for i in range(len(dataset)) for _ in range(settings.num_samples)]
+    samples = _scored_samples(dataset.select(rows), decode_completions(processing_class, prompts, out.completion_ids),
+                              out.completion_ids, [all_prompt_ids[row] for row in rows], reward_funcs, reward_weights)
+    if out.logprobs is not None:
+        samples = samples.add_column(SAMPLER_LOGPS, out.logprobs)
+    if args.behavior_logps_source == "sampler":
+        if out.logprobs is None or any(v is None for row in out.logprobs for v in row):
+            raise ValueError("`behavior_logps_source='sampler'` needs vLLM's log-prob of every sampled token.")
+        return samples.add_column(BEHAVIOR_LOGPS, out.logprobs)
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    tokenized = [{"input_ids": p + c, "labels": [-100] * len(p) + c}
+                 for p, c in zip(samples[PROMPT_IDS], out.completion_ids, strict=True)]  # fmt: skip
+    behavior = behavior_logps(
+        model, tokenized, pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else
+        tokenizer.eos_token_id, batch_size=settings.batch_size, autocast=training_autocast(args, model.device),
+    )  # fmt: skip
+    samples = samples.add_column(BEHAVIOR_LOGPS, behavior)
+    if out.logprobs is not None:
         mismatch = behavior_logps_mismatch(samples)
         logger.info(f"Behavior log-probs, sampler against trainer, per sequence: mean |difference| "
                     f"{mismatch['behavior_logps_mismatch_mean']:.2e}, max {mismatch['behavior_logps_mismatch_max']:.2e}")
+    return samples
+
+
+def _scored_samples(samples, completions, completion_ids, row_prompt_ids, reward_funcs, reward_weights) -> Dataset:
+    # One row per completion: the prompt's columns, the completion, its ids, its rewards (combined and per function)
+    others = {c: list(samples[c]) for c in samples.column_names if c not in (PROMPT, COMPLETION, REWARD)}
+    rewards, per_func = score_completions(
+        list(samples[PROMPT]), completions, reward_funcs, reward_weights, completion_ids, **others
+    )
+    replaced = (COMPLETION, REWARD, BEHAVIOR_LOGPS, PROMPT_IDS, COMPLETION_IDS, SAMPLER_LOGPS, *per_func)
+    samples = samples.remove_columns([c for c in replaced if c in samples.column_names])
+    samples = samples.add_column(COMPLETION, completions).add_column(REWARD, rewards)
+    # The ids the model generated from and generated: what training trains on, exactly (no text round trip, no
+    # end-of-sequence token added to a completion cut at `max_new_tokens`).
+    samples = samples.add_column(PROMPT_IDS, row_prompt_ids).add_column(COMPLETION_IDS, completion_ids)
+    for name, values in per_func.items():
+        samples = samples.add_column(name, values)
     return samples
 
 

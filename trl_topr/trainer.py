@@ -11,14 +11,12 @@ from accelerate.logging import get_logger
 from accelerate.utils import broadcast_object_list
 from datasets import Dataset, concatenate_datasets, is_caching_enabled
 from datasets.fingerprint import Hasher
-from torch.utils.data import DataLoader
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-from transformers.utils import is_bitsandbytes_available
 from trl import SFTTrainer
-from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 from trl.trainer.utils import get_config_model_id
 
+from .behavior import behavior_logps, completion_logps
 from .composition import baseline_for_positive_fraction
 from .config import CHECKPOINTING, TOPRConfig
 from .data import (
@@ -31,7 +29,7 @@ from .data import (
     check_and_truncate_tokens,
     validate_and_standardize,
 )
-from .distributed import full_weights, weights_fingerprint
+from .distributed import weights_fingerprint
 from .loss import combine_metrics, topr_loss
 
 
@@ -90,39 +88,6 @@ def record_metrics(accelerator, store: dict[str, list[float]], metrics: dict[str
     gathered = accelerator.gather(torch.stack([metrics[n].float() for n in names])[None])
     for name, column in zip(names, gathered.view(-1, len(names)).T.cpu(), strict=True):
         store[name].extend(column.tolist())
-
-
-@contextlib.contextmanager
-def _without_activation_checkpointing(model: torch.nn.Module, checkpointing_kwargs: dict | None):
-    # Inference needs no recomputation. (TRL's `disable_gradient_checkpointing` reads the deprecated
-    # `is_gradient_checkpointing`.)
-    enabled = getattr(model, f"is_{CHECKPOINTING}", False)
-    if enabled:
-        getattr(model, f"{CHECKPOINTING}_disable")()
-    try:
-        yield
-    finally:
-        if enabled:
-            getattr(model, f"{CHECKPOINTING}_enable")(checkpointing_kwargs)
-
-
-@contextlib.contextmanager
-def _inference_mode(model: torch.nn.Module):
-    # Eval mode (no dropout: mu is the policy that samples), except for bitsandbytes 4-bit layers, which hold no
-    # dropout but, on CPU in eval mode, repack their weights into an inference-only layout that later cuts the
-    # gradients of QLoRA training.
-    was_training = model.training
-    model.eval()
-    if is_bitsandbytes_available():
-        import bitsandbytes as bnb
-
-        for module in model.modules():
-            if isinstance(module, bnb.nn.Linear4bit):
-                module.train()
-    try:
-        yield
-    finally:
-        model.train(was_training)
 
 
 class TOPRTrainer(SFTTrainer):
@@ -192,9 +157,6 @@ class TOPRTrainer(SFTTrainer):
     }
     # `compute_loss` scales its loss for gradient accumulation itself.
     loss_is_scaled_for_ga = True
-    # Whether the data was sampled by the model as passed, so that computing mu with it is expected, not a warning
-    # (set by `sample_completions`, whose trainer computes the log-probs of its own samples).
-    _behavior_is_this_model = False
 
     def __init__(
         self,
@@ -375,39 +337,19 @@ class TOPRTrainer(SFTTrainer):
                 logger.warning(f"Using cached behavior log-probs of the current weights for the {name} dataset.")
                 return concatenate_datasets([dataset, Dataset.from_file(cache_file)], axis=1)
 
-        (logger.info if self._behavior_is_this_model else logger.warning)(
+        logger.warning(
             f"The {name} dataset has no '{self.args.behavior_logps_column}' column: computing the behavior "
             "log-probs with the model as it is now (during construction, the initial policy: mu = the model as "
             "passed, before any update). Give them in the dataset when the completions were sampled by another model."
         )
-        batch_size = self.args.precompute_behavior_batch_size or self.args.per_device_eval_batch_size
-        collator = DataCollatorForLanguageModeling(pad_token_id=self._tokenizer.pad_token_id)
-        # Every process gets the same number of batches (the last one padded, trimmed by `gather_for_metrics`): under
-        # FSDP2 each forward is a collective.
-        loader = self.accelerator.prepare_data_loader(
-            DataLoader(dataset.select_columns(["input_ids", "labels"]), batch_size=batch_size, collate_fn=collator)
-        )
-        values = []
-        with (
-            torch.no_grad(),  # values only: no autograd graph (its saved activations cost time and memory)
-            # ZeRO-3: the whole weights on every process, gathered once rather than layer by layer
-            full_weights(self.model, getattr(self, "deepspeed", None)) as model,
-            _inference_mode(model),
-            _without_activation_checkpointing(model, getattr(self.args, f"{CHECKPOINTING}_kwargs")),
+        values = behavior_logps(
+            self.model, dataset.select_columns(["input_ids", "labels"]).to_list(),
+            pad_token_id=self._tokenizer.pad_token_id,
+            batch_size=self.args.precompute_behavior_batch_size or self.args.per_device_eval_batch_size,
             # the mixed precision training will run in: the model is not wrapped by `accelerator.prepare` yet
-            self.accelerator.autocast(),
-        ):
-            for batch in loader:
-                per_token_logps, completion_mask, _ = self._completion_logps(model, batch)
-                # Sequences differ in length across processes: pad before gathering (the mask as integers, since
-                # padding adds to zeros).
-                per_token_logps = self.accelerator.pad_across_processes(per_token_logps.float(), dim=1)
-                completion_mask = self.accelerator.pad_across_processes(completion_mask.long(), dim=1)
-                per_token_logps, completion_mask = self.accelerator.gather_for_metrics((per_token_logps, completion_mask))
-                values.extend(
-                    row[mask.bool()].tolist() for row, mask in zip(per_token_logps.cpu(), completion_mask.cpu())
-                )
-
+            autocast=self.accelerator.autocast(), training_engine=getattr(self, "deepspeed", None),
+            checkpointing_kwargs=getattr(self.args, f"{CHECKPOINTING}_kwargs"),
+        )  # fmt: skip
         if cache_file is None:
             return dataset.add_column(BEHAVIOR_LOGPS, values)
         if self.accelerator.is_main_process:
@@ -415,23 +357,9 @@ class TOPRTrainer(SFTTrainer):
         self.accelerator.wait_for_everyone()
         return concatenate_datasets([dataset, Dataset.from_file(cache_file)], axis=1)
 
-    @staticmethod
-    def _completion_logps(model, inputs):
-        # Per-token log pi of each next token with TRL's fused LM head (no full logits), its mask and the outputs.
-        outputs = model(
-            input_ids=inputs["input_ids"],
-            attention_mask=inputs["attention_mask"],
-            labels=inputs["labels"],
-            use_cache=False,
-            fused_lm_head=True,
-        )
-        length = inputs["input_ids"].size(1) - 1
-        # Prompt-learning PEFT prepends virtual tokens to the outputs: keep the positions of the real tokens.
-        return outputs.log_probs[:, -length:], inputs["labels"][:, 1:] != -100, outputs
-
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = "train" if self.model.training else "eval"
-        per_token_logps, completion_mask, outputs = self._completion_logps(model, inputs)
+        per_token_logps, completion_mask, outputs = completion_logps(model, inputs)
         behavior_logps = inputs["behavior_logps"]
         if behavior_logps.dim() == 2:  # per-token values sit at their tokens' positions; log-probs are shifted by one
             behavior_logps = behavior_logps[:, 1:]

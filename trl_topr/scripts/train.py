@@ -40,7 +40,7 @@ import math
 import sys
 from pathlib import Path
 
-from trl_topr.scripts.utils import load_local_or_hub_dataset, resolve_model
+from trl_topr.scripts.utils import load_local_or_hub_dataset, resolve_model, set_model_init_kwargs
 
 
 PROBE_ROWS = 512  # training rows scored by the before/after log-prob table
@@ -135,24 +135,19 @@ def completion_logprobs(trainer) -> dict[str, float]:
     Returns:
         `dict[str, float]`: `positives` and `negatives` (`nan` for a group without rows).
     """
-    import torch
-    from torch.utils.data import DataLoader
+    from trl_topr.behavior import behavior_logps
 
     dataset = trainer.train_dataset.select(range(min(PROBE_ROWS, len(trainer.train_dataset))))
-    dataset = dataset.select_columns(["input_ids", "labels", "reward", "behavior_logps"])
-    loader = DataLoader(dataset, batch_size=trainer.args.per_device_eval_batch_size, collate_fn=trainer.data_collator)
-    model, sums = trainer.model, {"positives": [], "negatives": []}
-    was_training = model.training
-    model.eval()
-    with torch.no_grad(), trainer.accelerator.autocast():  # as in training, before and after
-        for batch in loader:
-            batch = trainer._prepare_inputs(batch)
-            logps, mask, _ = trainer._completion_logps(model, batch)
-            means = (logps.float() * mask).sum(1) / mask.sum(1).clamp(min=1)
-            for mean, reward in zip(means.tolist(), batch["rewards"].tolist(), strict=True):
-                sums["positives" if reward - trainer.baseline >= 0 else "negatives"].append(mean)
-    model.train(was_training)
-    return {name: sum(values) / len(values) if values else math.nan for name, values in sums.items()}
+    values = behavior_logps(  # as training computes log pi (every process computes a share)
+        trainer.model, dataset.select_columns(["input_ids", "labels"]).to_list(),
+        pad_token_id=getattr(trainer.processing_class, "tokenizer", trainer.processing_class).pad_token_id,
+        batch_size=trainer.args.per_device_eval_batch_size,
+        autocast=trainer.accelerator.autocast(), training_engine=getattr(trainer, "deepspeed", None),
+    )  # fmt: skip
+    sums = {"positives": [], "negatives": []}
+    for row, reward in zip(values, dataset["reward"], strict=True):
+        sums["positives" if reward - trainer.baseline >= 0 else "negatives"].append(sum(row) / max(len(row), 1))
+    return {name: sum(v) / len(v) if v else math.nan for name, v in sums.items()}
 
 
 def main(script_args, training_args, model_args, dataset_args=None) -> dict[str, dict[str, float]]:
@@ -180,13 +175,7 @@ def main(script_args, training_args, model_args, dataset_args=None) -> dict[str,
 
     from trl_topr import TOPRTrainer
 
-    model_init_kwargs = {
-        "revision": model_args.model_revision,
-        "trust_remote_code": training_args.trust_remote_code,
-        "attn_implementation": model_args.attn_implementation,
-        "dtype": model_args.dtype,
-    }
-    training_args.model_init_kwargs = {**model_init_kwargs, **(training_args.model_init_kwargs or {})}
+    set_model_init_kwargs(training_args, model_args)
     model = resolve_model(model_args.model_name_or_path)
 
     mixture = dataset_args is not None and bool(dataset_args.datasets)
