@@ -110,8 +110,7 @@ def training_args(setting: dict, out: Path, lr: float, seed: int, **overrides) -
 
 
 def sampling(setting: dict, seed: int | None = None) -> dict:
-    kwargs = {"temperature": 1.0, "top_k": 0, "max_new_tokens": setting["max_new_tokens"], "batch_size": 32,
-              "progress": False}  # fmt: skip
+    kwargs = {"temperature": 1.0, "top_k": 0, "max_new_tokens": setting["max_new_tokens"], "batch_size": 32}
     return kwargs if seed is None else {**kwargs, "seed": seed}
 
 
@@ -120,14 +119,15 @@ def run_loop(method: str, setting: dict, lr: float, seed: int, folder: Path, use
     """Go on with a loop method's run (the loop resumes after its last completed round), then delete all but the last
     round's weights."""
     from trl_topr import TOPRConfig, anna_karenina, run_topr_loop
+    from trl_topr.generation import SamplingSettings
 
     args = TOPRConfig(**training_args(setting, folder, lr, seed, use_vllm=use_vllm), **METHODS[method])
     run_topr_loop(
         setting["model"], setting["train"], setting["reward"], args, num_rounds=setting["rounds"],
         eval_prompts=setting["test"], correct_func=setting["reward"], answer_func=setting["answer"],
         curate=anna_karenina if method == "topr_anna_karenina" else None,
-        sampling_kwargs={"num_samples": setting["num_samples"], **sampling(setting)},
-        eval_kwargs={"num_samples": setting["k"], **sampling(setting, seed)},
+        sampling=SamplingSettings(num_samples=setting["num_samples"], **sampling(setting)),
+        eval_sampling=SamplingSettings(num_samples=setting["k"], **sampling(setting, seed)), progress=False,
     )  # fmt: skip
     for old in folder.glob("round-*/model*.safetensors"):
         if old.parent.name != f"round-{setting['rounds']}":
@@ -147,7 +147,7 @@ def run_grpo(setting: dict, lr: float, seed: int, folder: Path) -> None:
 
     def evaluate(model, tokenizer, round_index: int, extra: dict) -> None:
         metrics = evaluate_policy(model, tokenizer, setting["test"], setting["reward"], setting["answer"],
-                                  num_samples=setting["k"], **sampling(setting, seed))  # fmt: skip
+                                  num_samples=setting["k"], progress=False, **sampling(setting, seed))  # fmt: skip
         with open(metrics_file, "a") as f:
             f.write(json.dumps({"round": round_index, **extra, **metrics}) + "\n")
 
@@ -428,7 +428,7 @@ def validate(setting: dict, method: str, folder: Path, seed: int) -> dict:
         final = folder / f"round-{setting['rounds']}"
     metrics = evaluate_policy(AutoModelForCausalLM.from_pretrained(final), AutoTokenizer.from_pretrained(final),
                               setting["val"], setting["reward"], setting["answer"], num_samples=setting["k"],
-                              **sampling(setting, seed))  # fmt: skip
+                              progress=False, **sampling(setting, seed))  # fmt: skip
     return {key: metrics[key] for key in ("pass@1", "pass@1_greedy")}
 
 

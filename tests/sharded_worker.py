@@ -37,6 +37,7 @@ def main(engine: str, tests_dir: str, model_path: str, other_model_path: str, da
 
     from trl_topr import TOPRTrainer, run_topr_loop
     from trl_topr.distributed import weights_fingerprint
+    from trl_topr.generation import SamplingSettings
 
     output = Path(output_dir)
     state = PartialState()
@@ -75,8 +76,8 @@ def main(engine: str, tests_dir: str, model_path: str, other_model_path: str, da
         model_path, prompts, correct, loop_args, num_rounds=1, peft_config=peft_config,
         eval_prompts=prompts.select(range(5)),  # an odd number: uneven shares on 2 processes
         correct_func=correct, answer_func=lambda text: text.split()[-1] if text.split() else None,
-        sampling_kwargs={"num_samples": 2, "max_new_tokens": 6, "progress": False},
-        eval_kwargs={"num_samples": 2, "max_new_tokens": 6, "progress": False},
+        sampling=SamplingSettings(num_samples=2, max_new_tokens=6), progress=False,
+        eval_sampling=SamplingSettings(num_samples=2, max_new_tokens=6, seed=0),
     )
     result["world"] = torch.distributed.get_world_size()
     if state.is_main_process:

@@ -7,10 +7,14 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from conftest import make_args, standard_dataset
 from datasets import Dataset
 
 from trl_topr import TOPRTrainer
+
+
+pytestmark = pytest.mark.multiprocess  # each test launches 2 processes (`accelerate launch`, gloo)
 
 
 WORKER = textwrap.dedent(
@@ -82,6 +86,7 @@ LOOP_WORKER = textwrap.dedent(
     from conftest import end_processes, make_args
     from datasets import Dataset
     from trl_topr import TOPRTrainer, run_topr_loop
+    from trl_topr.generation import SamplingSettings
 
     def digest(model):  # weights as this process holds them after training
         h = hashlib.sha256()
@@ -105,8 +110,8 @@ LOOP_WORKER = textwrap.dedent(
     rounds = run_topr_loop(sys.argv[1], prompts, correct, make_args(sys.argv[2], max_steps=-1,
                            per_device_train_batch_size=2), num_rounds=1, eval_prompts=prompts.select(range(3)),
                            correct_func=correct, answer_func=last_number,
-                           sampling_kwargs={{"num_samples": 2, "max_new_tokens": 6, "progress": False}},
-                           eval_kwargs={{"num_samples": 2, "max_new_tokens": 6, "progress": False}})
+                           sampling=SamplingSettings(num_samples=2, max_new_tokens=6),
+                           eval_sampling=SamplingSettings(num_samples=2, max_new_tokens=6, seed=0), progress=False)
     with open(f"{{sys.argv[2]}}/rounds-rank{{PartialState().process_index}}.json", "w") as f:
         json.dump(rounds, f)
     end_processes()

@@ -67,6 +67,7 @@ LOOP_WORKER = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from conftest import make_args
     from datasets import Dataset
+    from trl_topr.generation import SamplingSettings
     from trl_topr.loop import run_topr_loop
 
     model_path, output_dir, curate_log, hang_at_call = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
@@ -98,7 +99,7 @@ LOOP_WORKER = textwrap.dedent(
     args = make_args(output_dir, per_device_train_batch_size=4, max_steps=-1, logging_steps=1, seed=0,
                      disable_tqdm=True)
     run_topr_loop(model_path, prompts, even_length, args, num_rounds=3, curate=curate,
-                  sampling_kwargs={{"num_samples": 2, "max_new_tokens": 8, "progress": False}})
+                  sampling=SamplingSettings(num_samples=2, max_new_tokens=8), progress=False)
     """
 )
 

@@ -12,6 +12,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_topr.evaluation import evaluate_policy
+from trl_topr.generation import GenerationEngine, SamplingSettings
 from trl_topr.loop import read_rounds, run_topr_loop
 
 
@@ -48,36 +49,44 @@ def test_evaluate_policy_counts_greedy_sampled_majority_and_invalid(tiny_model_p
     assert none["invalid_rate"] == 1.0 and none["maj@2"] == 0.0
 
 
-def test_evaluate_policy_majority_vote_and_truncation_are_exact(tiny_model_path, monkeypatch):
-    # Scripted generations: prompt 0's samples answer 3, 3, 9 (majority 3, correct); prompt 1's 9, 9, 4 (wrong).
-    import trl_topr.evaluation as evaluation
+class ScriptedEngine(GenerationEngine):
+    # A generation engine that returns given token ids: the greedy ones for greedy settings, else the sampled ones
+    def __init__(self, tokenizer, greedy, sampled):
+        super().__init__(tokenizer, {tokenizer.eos_token_id})
+        self.scripted = {True: greedy, False: sampled}
 
-    # Token ids: samples 1 and 4 run to max_new_tokens=4 without EOS (truncated), sample 2 ends with EOS at the limit.
+    def _generate_share(self, prompts, settings, progress):
+        return self.scripted[settings.is_greedy], None
+
+
+def test_evaluate_policy_majority_vote_and_truncation_are_exact(tiny_model_path):
+    # Scripted generations: prompt 0's samples answer 3, 3, 9 (majority 3, correct); prompt 1's 9, 9, 4 (majority 9,
+    # wrong). Samples 2 and 5 run to max_new_tokens=4 without EOS (truncated), sample 3 ends with EOS at the limit,
+    # sample 4 has tokens after its EOS (cut off by the engine).
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     eos = tokenizer.eos_token_id
-    scripted = {0: ["3", "9"], 3: ["3", "3", "9", "9", "9", "4"]}
-    ids = [[5, eos], [5, 6, 7, 8], [5, 6, 7, eos], [5, eos], [5, 6, 7, 8], [eos]]
-
-    def fake_generate(model, tokenizer, prompts, num_samples=1, **kwargs):
-        return list(scripted[0 if num_samples == 1 else 3]), ids[: len(prompts) * num_samples], 0.0
-
-    monkeypatch.setattr(evaluation, "generate_completions", fake_generate)
+    three, nine, four = (tokenizer.encode(n, add_special_tokens=False) for n in "394")
+    letter = tokenizer.encode("a", add_special_tokens=False)
+    assert len(three) == len(nine) == len(four) == len(letter) == 1
+    sampled = [three + [eos], three + letter * 3, nine + letter * 2 + [eos],
+               nine + [eos] + letter * 2, nine + letter * 3, four + [eos]]  # fmt: skip
+    engine = ScriptedEngine(tokenizer, greedy=[three + [eos], nine + [eos]], sampled=sampled)
     metrics = evaluate_policy(None, tokenizer, prompts(2), correct, last_number, num_samples=3, max_new_tokens=4,
-                              progress=False)
+                              progress=False, engine=engine)  # fmt: skip
     assert metrics["pass@1_greedy"] == 0.5
     assert metrics["pass@1"] == pytest.approx(3 / 6)
     assert metrics["maj@3"] == 0.5
     assert metrics["invalid_rate"] == 0.0
     assert metrics["truncated_rate"] == pytest.approx(2 / 6)
-    assert metrics["mean_length"] == pytest.approx((2 + 4 + 4 + 2 + 4 + 1) / 6)
+    assert metrics["mean_length"] == pytest.approx((2 + 4 + 4 + 2 + 4 + 2) / 6)
 
 
 def test_loop_runs_rounds_writes_metrics_and_resumes(tiny_model_path, tmp_path):
     args = make_args(tmp_path / "loop", per_device_train_batch_size=4, max_steps=-1, logging_steps=1)
     kwargs = dict(
         eval_prompts=prompts(2, offset=10), correct_func=correct, answer_func=last_number,
-        sampling_kwargs={"num_samples": 2, "max_new_tokens": 8, "progress": False},
-        eval_kwargs={"num_samples": 2, "max_new_tokens": 8, "progress": False},
+        sampling=SamplingSettings(num_samples=2, max_new_tokens=8), progress=False,
+        eval_sampling=SamplingSettings(num_samples=2, max_new_tokens=8, seed=0),
         curate=lambda samples: samples.select(range(len(samples) - 1)),  # proves the curation step runs
     )  # fmt: skip
     rounds = run_topr_loop(tiny_model_path, prompts(4), correct, args, num_rounds=1, **kwargs)
@@ -129,7 +138,7 @@ def test_a_one_sided_round_trains_with_baseline_0_under_a_target_fraction(tiny_m
     def always_wrong(prompts, completions, **kwargs):
         return [-1.0] * len(completions)
 
-    options = dict(sampling_kwargs={"num_samples": 2, "max_new_tokens": 4, "progress": False})
+    options = dict(sampling=SamplingSettings(num_samples=2, max_new_tokens=4), progress=False)
     for name, reward, baseline in (("mixed", mixed, -0.6), ("wrong", always_wrong, 0.0)):
         args = make_args(tmp_path / name, per_device_train_batch_size=4, max_steps=-1, target_positive_fraction=0.8)
         rounds = run_topr_loop(tiny_model_path, prompts(2), reward, args, num_rounds=1, **options)
@@ -149,7 +158,7 @@ def test_loop_with_lora_merges_each_rounds_adapter(tiny_model_path, tmp_path):
     args = make_args(tmp_path / "lora", per_device_train_batch_size=4, max_steps=-1, learning_rate=1e-2)
     peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     rounds = run_topr_loop(tiny_model_path, prompts(4), correct, args, num_rounds=2, peft_config=peft_config,
-                           sampling_kwargs={"num_samples": 2, "max_new_tokens": 8, "progress": False})
+                           sampling=SamplingSettings(num_samples=2, max_new_tokens=8), progress=False)
     assert [r["round"] for r in rounds] == [0, 1, 2]
     for r in (1, 2):
         files = set(os.listdir(tmp_path / "lora" / f"round-{r}"))
@@ -167,3 +176,18 @@ def test_quantized_loop_needs_an_adapter(tiny_model_path, tmp_path):
     with pytest.raises(ValueError, match="peft_config"):
         run_topr_loop(tiny_model_path, prompts(2), correct, make_args(tmp_path),
                       quantization_config=BitsAndBytesConfig(load_in_4bit=True))
+
+
+def test_loop_keyword_dicts_are_deprecated_and_still_work(tiny_model_path, tmp_path):
+    # `sampling_kwargs` / `eval_kwargs` (dicts) became `sampling` / `eval_sampling` (SamplingSettings): the old names
+    # warn, name the new ones, and run the same loop; a key that is not a setting is an error.
+    args = make_args(tmp_path / "old", per_device_train_batch_size=4, max_steps=-1)
+    with pytest.warns(FutureWarning, match="sampling="):
+        rounds = run_topr_loop(tiny_model_path, prompts(2), correct, args, num_rounds=1, eval_prompts=prompts(1),
+                               correct_func=correct, answer_func=last_number,
+                               sampling_kwargs={"num_samples": 3, "max_new_tokens": 4, "progress": False},
+                               eval_kwargs={"num_samples": 2, "max_new_tokens": 4, "progress": False})  # fmt: skip
+    assert rounds[1]["num_samples"] == 6 and "maj@2" in rounds[1]
+    with pytest.warns(FutureWarning), pytest.raises(ValueError, match="temprature"):
+        run_topr_loop(tiny_model_path, prompts(2), correct, make_args(tmp_path / "typo"),
+                      sampling_kwargs={"temprature": 0.5})

@@ -1,6 +1,9 @@
-"""The paper's iterative TOPR: sample with the current model, score, curate, train one epoch, evaluate, save, repeat."""
+"""The paper's iterative TOPR: sample with the current model, score, curate, train one epoch, evaluate, save, repeat.
 
-import contextlib
+[`run_topr_loop`] reads as the paper's round; the helpers below it hold the rest: loading and saving each round's model
+(the LoRA merge, ZeRO-3's whole-weight loading), the round's trainer, and the metrics file. Generation goes through one
+engine ([`~trl_topr.generation`]), started once and given each round's weights."""
+
 import dataclasses
 import json
 import os
@@ -21,11 +24,11 @@ from trl.trainer.utils import create_model_from_path
 from .composition import effective_positive_fraction
 from .config import TOPRConfig
 from .data import REWARD
-from .distributed import check_saves_whole_weights, full_weights, unsharded_loading
-from .evaluation import evaluate_policy
-from .sampling import RewardFuncs, behavior_logps_mismatch, sample_completions
+from .distributed import check_saves_whole_weights, unsharded_loading
+from .evaluation import evaluate_with_engine
+from .generation import GenerationEngine, SamplingSettings, generation_engine
+from .sampling import RewardFuncs, behavior_logps_mismatch, sample_with_engine
 from .trainer import TOPRTrainer
-from .vllm import vllm_generation_from_config
 
 
 logger = get_logger(__name__)
@@ -110,6 +113,10 @@ def run_topr_loop(
     processing_class: PreTrainedTokenizerBase | None = None,
     peft_config=None,
     quantization_config=None,
+    sampling: SamplingSettings | None = None,
+    eval_sampling: SamplingSettings | None = None,
+    progress: bool = True,
+    engine: GenerationEngine | None = None,
     sampling_kwargs: dict[str, Any] | None = None,
     eval_kwargs: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
@@ -118,12 +125,12 @@ def run_topr_loop(
     trains one epoch of TOPR on the result, evaluates and saves.
 
     Everything goes to `args.output_dir`: `round-<r>/` holds the model after round r, its sampled dataset
-    (`samples.jsonl`) and its training logs (`trainer_state.json`), `metrics.jsonl` one line per completed round (round 0 evaluates the initial model) and
-    `metrics.png` their plot. A round counts as completed once its line is written (the file is replaced whole, so a
-    kill never leaves half a line): started again, the loop resumes after the last completed round, redoing an
-    interrupted one from its start. Under `accelerate launch`, every
-    process runs the loop: sampling and evaluation are split across the processes, training is data-parallel, and the
-    main process writes the files.
+    (`samples.jsonl`) and its training logs (`trainer_state.json`), `metrics.jsonl` one line per completed round (round
+    0 evaluates the initial model) and `metrics.png` their plot. A round counts as completed once its line is written
+    (the file is replaced whole, so a kill never leaves half a line): started again, the loop resumes after the last
+    completed round, redoing an interrupted one from its start. Under `accelerate launch`, every process runs the loop:
+    sampling and evaluation are split across the processes, training is data-parallel, and the main process writes the
+    files.
 
     Args:
         model (`str`):
@@ -157,140 +164,187 @@ def run_topr_loop(
             precision of `args.model_init_kwargs`; the adapter alone is kept in `round-<r>/adapter`.
         quantization_config ([`~transformers.BitsAndBytesConfig`], *optional*):
             Load each round's model quantized, for sampling and training (QLoRA with `peft_config`).
+        sampling ([`~trl_topr.generation.SamplingSettings`], *optional*):
+            How each round samples (its `seed` is replaced by `args.seed` + the round). Defaults to
+            [`sample_completions`]'s defaults.
+        eval_sampling ([`~trl_topr.generation.SamplingSettings`], *optional*):
+            How the evaluation samples its k completions (`num_samples`). Defaults to [`evaluate_policy`]'s.
+        progress (`bool`, *optional*, defaults to `True`):
+            Show the sampling progress bars.
+        engine ([`~trl_topr.generation.GenerationEngine`], *optional*):
+            Generate with this engine (e.g. one the caller also uses before or after the loop): the loop gives it
+            each round's weights and leaves it open. By default the loop builds the engine `args` asks for
+            ([`~trl_topr.generation.generation_engine`]) when it first needs one, and closes it at the end.
         sampling_kwargs (`dict[str, Any]`, *optional*):
-            Keyword arguments of [`sample_completions`] (`num_samples`, `temperature`, `top_k`, `max_new_tokens`...).
+            Deprecated: use `sampling`.
         eval_kwargs (`dict[str, Any]`, *optional*):
-            Keyword arguments of [`evaluate_policy`].
+            Deprecated: use `eval_sampling`.
 
     Returns:
         `list[dict[str, Any]]`: the metrics of every completed round, round 0 included.
     """
     if eval_prompts is not None and (correct_func is None or answer_func is None):
         raise ValueError("Evaluating `eval_prompts` needs `correct_func` and `answer_func`.")
-    state = PartialState()  # under `accelerate launch`, every process runs the loop; the main one writes
-    output_dir = Path(args.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    sampling, eval_sampling, progress = _settings(sampling, eval_sampling, progress, sampling_kwargs, eval_kwargs)
     processing_class = processing_class or AutoTokenizer.from_pretrained(model)
-    sampling_kwargs, eval_kwargs = dict(sampling_kwargs or {}), dict(eval_kwargs or {})
-    model_init_kwargs = dict(args.model_init_kwargs or {})
-    if quantization_config is not None:
-        if peft_config is None:
-            raise ValueError("A quantized model cannot be fully fine-tuned: give a `peft_config` too (QLoRA).")
-        model_init_kwargs["quantization_config"] = quantization_config
+    models = _RoundModels(model, args, processing_class, peft_config, quantization_config)
+    log = _RoundLog(args.output_dir)
+    engine_of_the_loop = engine is None
 
-    def load(path: str):
-        return create_model_from_path(path, **model_init_kwargs)
-
-    def save_for_next_round(trainer: TOPRTrainer, previous: str, round_dir: Path) -> None:
-        if peft_config is None:
-            trainer.save_model(str(round_dir))
-        else:
-            trainer.save_model(str(round_dir / "adapter"))
-        if peft_config is not None and state.is_main_process:  # merge the adapter into an unquantized copy
-            with unsharded_loading():  # of the round's starting model, on this process alone, whole under ZeRO-3
-                base = create_model_from_path(previous, **(args.model_init_kwargs or {}))
-            merged = PeftModel.from_pretrained(base, str(round_dir / "adapter")).merge_and_unload()
-            merged.save_pretrained(str(round_dir))
-            processing_class.save_pretrained(str(round_dir))
-            shutil.copy(round_dir / "adapter" / "README.md", round_dir / "README.md")
-        state.wait_for_everyone()  # the main process writes the folder; every process's engine reloads from it
-
-    sampler = None  # vLLM (`args.use_vllm`), started once with the first model, then reloaded from round folders
-    sampler_folder = None  # the folder whose weights the sampler holds (`None`: the initial model)
-
-    def sampler_for(policy, folder: str | None):
-        nonlocal sampler, sampler_folder
-        if args.use_vllm and sampler is None:
-            sampler = vllm_generation_from_config(policy, processing_class, args)
-            sampler_folder = None if folder == model else folder
-        if sampler is not None and folder != model and folder != sampler_folder:
-            sampler.reload_weights(folder)  # the weights trained last round, saved whole, without a restart
-            sampler_folder = folder
-        return sampler
-
-    def evaluate(policy, folder: str, engine=None) -> dict[str, float]:
+    def evaluate(folder: str, policy, training_engine=None) -> dict[str, float]:
+        engine.load_weights(folder, model=policy, training_engine=training_engine)
         if eval_prompts is None:
             return {}
         logger.info(f"Evaluating on {len(eval_prompts)} held-out prompts")
-        vllm_generation = sampler_for(policy, folder)
-        # transformers reads the weights whole (ZeRO-3: gathered once, with the training engine's hooks removed)
-        with full_weights(policy, engine) if vllm_generation is None else contextlib.nullcontext():
-            return evaluate_policy(
-                policy, processing_class, eval_prompts, correct_func, answer_func, vllm_generation=vllm_generation,
-                **{"bf16": args.bf16, **eval_kwargs},
-            )  # in the training precision unless `eval_kwargs` says otherwise
+        return evaluate_with_engine(engine, processing_class, eval_prompts, correct_func, answer_func, eval_sampling,
+                                    progress)  # fmt: skip
 
-    rounds = read_rounds(str(output_dir))  # the completed rounds: the loop resumes after the last
+    try:
+        if not log.rounds:
+            policy = models.load(model)
+            engine = engine or generation_engine(policy, processing_class, args)
+            log.record({"round": 0, **evaluate(model, policy)})
+            engine.release_weights()
+            del policy
+        for round_index in range(log.rounds[-1]["round"] + 1, num_rounds + 1):
+            round_dir, previous = log.start_round(round_index), models.folder_before(round_index, log.output_dir)
+            policy = models.load(previous)
+            engine = engine or generation_engine(policy, processing_class, args)
+            engine.load_weights(previous, model=policy)
+            logger.info(f"Round {round_index}/{num_rounds}: sampling completions of {len(train_prompts)} prompts")
+            samples = sample_with_engine(engine, policy, processing_class, train_prompts, reward_funcs,
+                                         sampling.replace(seed=args.seed + round_index), args,
+                                         reward_weights=reward_weights, progress=progress)  # fmt: skip
+            log.save_samples(samples, round_dir)
+            train_data = curate(samples) if curate is not None else samples
+            trainer = _round_trainer(policy, train_data, args, round_dir, processing_class, peft_config)
+            train_loss = trainer.train().training_loss
+            log.save_trainer_state(trainer, round_dir)
+            models.save(trainer, previous, round_dir)
+            log.record({"round": round_index, **_round_metrics(samples, train_data, trainer, train_loss),
+                        **evaluate(str(round_dir), trainer.model, getattr(trainer, "deepspeed", None))})  # fmt: skip
+            engine.release_weights()
+            del trainer, policy
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    finally:
+        if engine_of_the_loop and engine is not None:
+            engine.close()  # keeps the processes' torch.distributed group for the script's next steps
+    return read_rounds(str(log.output_dir))
 
-    def record(metrics: dict[str, Any]) -> None:
-        rounds.append(metrics)
-        if state.is_main_process:  # the line marks the round as completed: the file is replaced whole, never cut
-            partial = output_dir / f"{METRICS_FILE}.partial"
-            partial.write_text("".join(json.dumps(r) + "\n" for r in rounds))
-            os.replace(partial, output_dir / METRICS_FILE)
-            plot_rounds(rounds, str(output_dir / "metrics.png"))
-        state.wait_for_everyone()
-        shown = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
-        logger.info(f"Round {metrics['round']} done: {shown}")
 
-    if not rounds:
-        record({"round": 0, **evaluate(load(model), model)})
-    for round_index in range(rounds[-1]["round"] + 1, num_rounds + 1):
-        round_dir = output_dir / f"round-{round_index}"
-        if state.is_main_process:
+def _settings(sampling, eval_sampling, progress, sampling_kwargs, eval_kwargs):
+    # The loop's settings objects, from the deprecated keyword dicts when given
+    if sampling_kwargs is not None or eval_kwargs is not None:
+        warnings.warn("`sampling_kwargs` and `eval_kwargs` are deprecated: pass `sampling=` and `eval_sampling=` "
+                      "`SamplingSettings(...)` (`trl_topr.generation`), and `progress=`.", FutureWarning, stacklevel=3)
+        for name, given in (("sampling_kwargs", sampling_kwargs), ("eval_kwargs", eval_kwargs)):
+            unknown = set(given or {}) - {f.name for f in dataclasses.fields(SamplingSettings)} - {"progress"}
+            if unknown:
+                raise ValueError(f"`{name}`: {sorted(unknown)} are not sampling settings.")
+        progress = all(given.get("progress", progress) for given in (sampling_kwargs or {}, eval_kwargs or {}))
+        sampling = sampling or SamplingSettings.from_kwargs(sampling_kwargs, num_samples=4)
+        eval_sampling = eval_sampling or SamplingSettings.from_kwargs(eval_kwargs, num_samples=4, seed=0)
+    sampling = sampling or SamplingSettings(num_samples=4)  # `sample_completions`' defaults
+    eval_sampling = eval_sampling or SamplingSettings(num_samples=4, seed=0)  # `evaluate_policy`'s
+    return sampling, eval_sampling, progress
+
+
+class _RoundModels:
+    # Each round's starting model: loaded (quantized for QLoRA, whole under ZeRO-3 where the trainer needs it) and
+    # saved whole for the next round (a LoRA adapter merged into an unquantized copy of the round's starting model).
+    def __init__(self, model: str, args: TOPRConfig, processing_class, peft_config, quantization_config):
+        self.initial, self.args, self.processing_class, self.peft_config = model, args, processing_class, peft_config
+        self.init_kwargs = dict(args.model_init_kwargs or {})
+        if quantization_config is not None:
+            if peft_config is None:
+                raise ValueError("A quantized model cannot be fully fine-tuned: give a `peft_config` too (QLoRA).")
+            self.init_kwargs["quantization_config"] = quantization_config
+
+    def folder_before(self, round_index: int, output_dir: Path) -> str:
+        return self.initial if round_index == 1 else str(output_dir / f"round-{round_index - 1}")
+
+    def load(self, path: str):
+        return create_model_from_path(path, **self.init_kwargs)
+
+    def save(self, trainer: TOPRTrainer, previous: str, round_dir: Path) -> None:
+        state = PartialState()
+        trainer.save_model(str(round_dir if self.peft_config is None else round_dir / "adapter"))
+        if self.peft_config is not None and state.is_main_process:  # merge the adapter into an unquantized copy
+            with unsharded_loading():  # of the round's starting model, on this process alone, whole under ZeRO-3
+                base = create_model_from_path(previous, **(self.args.model_init_kwargs or {}))
+            merged = PeftModel.from_pretrained(base, str(round_dir / "adapter")).merge_and_unload()
+            merged.save_pretrained(str(round_dir))
+            self.processing_class.save_pretrained(str(round_dir))
+            shutil.copy(round_dir / "adapter" / "README.md", round_dir / "README.md")
+        state.wait_for_everyone()  # the main process writes the folder; every process's engine reloads from it
+
+
+def _round_trainer(policy, train_data: Dataset, args: TOPRConfig, round_dir: Path, processing_class, peft_config):
+    # One epoch of TOPR on the round's data. The model is loaded here, and the loop's caller publishes the final
+    # model: not every round's trainer.
+    round_args = dataclasses.replace(args, output_dir=str(round_dir), num_train_epochs=1, max_steps=-1,
+                                     model_init_kwargs=None, push_to_hub=False)  # fmt: skip
+    if args.target_positive_fraction is not None and len(set(train_data[REWARD])) < 2:
+        # no baseline changes a one-sided round's composition: train it with baseline 0, as the online trainer
+        # does for such a batch, rather than stop the loop
+        logger.info(f"{round_dir.name}: every reward is {train_data[REWARD][0]}, so `target_positive_fraction` "
+                    "cannot be met: this round trains with baseline 0")
+        round_args = dataclasses.replace(round_args, target_positive_fraction=None)
+    trainer = TOPRTrainer(policy, args=round_args, train_dataset=train_data, processing_class=processing_class,
+                          peft_config=peft_config)  # fmt: skip
+    check_saves_whole_weights(trainer)  # the next round loads this round's saved model
+    positives = sum(r - trainer.baseline >= 0 for r in train_data[REWARD]) / len(train_data)
+    logger.info(f"{round_dir.name}: training one epoch of TOPR on {len(train_data)} completions "
+                f"({positives:.0%} positive)")
+    return trainer
+
+
+def _round_metrics(samples: Dataset, train_data: Dataset, trainer: TOPRTrainer, train_loss: float) -> dict[str, Any]:
+    # What a round's line records besides the evaluation
+    rewards = list(samples[REWARD])
+    return {
+        "reward": sum(rewards) / len(rewards),
+        "positive_fraction": sum(r >= 0 for r in rewards) / len(rewards),
+        "effective_positive_fraction": effective_positive_fraction(train_data[REWARD], trainer.baseline),
+        "num_samples": len(samples),
+        "num_train_rows": len(train_data),
+        "train_loss": train_loss,
+        **behavior_logps_mismatch(samples),
+    }
+
+
+class _RoundLog:
+    # The loop's folder: the completed rounds (`metrics.jsonl`, replaced whole at each round, and its plot), and each
+    # round's folder, its samples and training logs. The main process writes; every process keeps the rounds.
+    def __init__(self, output_dir: str):
+        self.output_dir, self.state = Path(output_dir), PartialState()
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.rounds = read_rounds(str(self.output_dir))  # the completed rounds: the loop resumes after the last
+
+    def start_round(self, round_index: int) -> Path:
+        round_dir = self.output_dir / f"round-{round_index}"
+        if self.state.is_main_process:
             shutil.rmtree(round_dir, ignore_errors=True)  # an interrupted attempt is redone from its start
             round_dir.mkdir(parents=True)
-        state.wait_for_everyone()
-        previous = model if round_index == 1 else str(output_dir / f"round-{round_index - 1}")
-        policy = load(previous)
+        self.state.wait_for_everyone()
+        return round_dir
 
-        logger.info(f"Round {round_index}/{num_rounds}: sampling completions of {len(train_prompts)} prompts")
-        samples = sample_completions(
-            policy, train_prompts, reward_funcs, processing_class=processing_class, reward_weights=reward_weights,
-            seed=args.seed + round_index, args=args, vllm_generation=sampler_for(policy, previous), **sampling_kwargs,
-        )  # fmt: skip
-        if state.is_main_process:
+    def save_samples(self, samples: Dataset, round_dir: Path) -> None:
+        if self.state.is_main_process:
             samples.to_json(str(round_dir / "samples.jsonl"))
-        train_data = curate(samples) if curate is not None else samples
-        # the model is loaded here, and the loop's caller publishes the final model: not every round's trainer
-        round_args = dataclasses.replace(
-            args, output_dir=str(round_dir), num_train_epochs=1, max_steps=-1, model_init_kwargs=None, push_to_hub=False
-        )
-        if args.target_positive_fraction is not None and len(set(train_data[REWARD])) < 2:
-            # no baseline changes a one-sided round's composition: train it with baseline 0, as the online trainer
-            # does for such a batch, rather than stop the loop
-            logger.info(f"Round {round_index}/{num_rounds}: every reward is {train_data[REWARD][0]}, so "
-                        "`target_positive_fraction` cannot be met: this round trains with baseline 0")
-            round_args = dataclasses.replace(round_args, target_positive_fraction=None)
-        trainer = TOPRTrainer(
-            policy, args=round_args, train_dataset=train_data, processing_class=processing_class,
-            peft_config=peft_config,
-        )  # fmt: skip
-        check_saves_whole_weights(trainer)  # the next round loads this round's saved model
-        positives = sum(r - trainer.baseline >= 0 for r in train_data[REWARD]) / len(train_data)
-        logger.info(f"Round {round_index}/{num_rounds}: training one epoch of TOPR on {len(train_data)} completions "
-                    f"({positives:.0%} positive)")
-        train_loss = trainer.train().training_loss
-        if state.is_main_process:  # the round's training logs (TOPR's metrics per step), as in a Trainer checkpoint
+
+    def save_trainer_state(self, trainer: TOPRTrainer, round_dir: Path) -> None:
+        if self.state.is_main_process:  # the round's training logs (TOPR's metrics per step), as in a checkpoint
             trainer.state.save_to_json(str(round_dir / "trainer_state.json"))
-        save_for_next_round(trainer, previous, round_dir)
-        rewards = list(samples[REWARD])
-        record(
-            {
-                "round": round_index,
-                "reward": sum(rewards) / len(rewards),
-                "positive_fraction": sum(r >= 0 for r in rewards) / len(rewards),
-                "effective_positive_fraction": effective_positive_fraction(train_data[REWARD], trainer.baseline),
-                "num_samples": len(samples),
-                "num_train_rows": len(train_data),
-                "train_loss": train_loss,
-                **behavior_logps_mismatch(samples),
-                **evaluate(trainer.model, str(round_dir), getattr(trainer, "deepspeed", None)),
-            }
-        )
-        del trainer, policy
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    if sampler is not None:
-        sampler.close()  # keeps the processes' torch.distributed group for the script's next steps
-    return read_rounds(str(output_dir))
+
+    def record(self, metrics: dict[str, Any]) -> None:
+        self.rounds.append(metrics)
+        if self.state.is_main_process:  # the line marks the round as completed: the file is replaced whole, never cut
+            partial = self.output_dir / f"{METRICS_FILE}.partial"
+            partial.write_text("".join(json.dumps(r) + "\n" for r in self.rounds))
+            os.replace(partial, self.output_dir / METRICS_FILE)
+            plot_rounds(self.rounds, str(self.output_dir / "metrics.png"))
+        self.state.wait_for_everyone()
+        shown = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
+        logger.info(f"Round {metrics['round']} done: {shown}")
