@@ -102,27 +102,8 @@ def validate_and_standardize(dataset: Dataset, args, dataset_name: str = "train"
     Raises:
         [`TOPRDataError`]: naming the column and the first offending row.
     """
-    if isinstance(dataset, IterableDataset):
-        raise TOPRDataError(
-            f"The {dataset_name} dataset is an `IterableDataset`: TOPR needs a map-style `datasets.Dataset`, since "
-            "the data is validated, the baseline derived and the behavior log-probs computed over the whole set "
-            "before training. Materialize it first, e.g. `Dataset.from_list(list(iterable_dataset))`."
-        )
-    if not isinstance(dataset, Dataset):
-        raise TypeError(f"The {dataset_name} dataset must be a `datasets.Dataset`, got {type(dataset).__name__}.")
-    if len(dataset) == 0:
-        raise TOPRDataError(f"The {dataset_name} dataset has no rows.")
+    _check_columns(dataset, args, dataset_name)
     columns = dataset.column_names
-    for column in (args.prompt_column, args.completion_column):
-        if column not in columns:
-            raise TOPRDataError(f"{dataset_name} dataset: missing column '{column}' (found {columns}).")
-    has_reward = args.reward_column in columns
-    if not has_reward and args.label_column not in columns:
-        raise TOPRDataError(
-            f"{dataset_name} dataset: missing column '{args.reward_column}' (or a boolean '{args.label_column}' "
-            f"column) (found {columns})."
-        )
-
     # Prompts and completions: one format (standard or conversational) for the whole dataset. An empty completion is
     # valid: it is trained on what the tokenization adds after it (the EOS token, the end of the assistant turn).
     prompts, completions = dataset[args.prompt_column], dataset[args.completion_column]
@@ -130,66 +111,10 @@ def validate_and_standardize(dataset: Dataset, args, dataset_name: str = "train"
     for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
         _check_text(prompt, conversational, dataset_name, args.prompt_column, row, is_completion=False)
         _check_text(completion, conversational, dataset_name, args.completion_column, row, is_completion=True)
-
-    # Token ids: both columns or neither, lists of token ids, at least one completion token.
-    if (PROMPT_IDS in columns) != (COMPLETION_IDS in columns):
-        present, absent = (PROMPT_IDS, COMPLETION_IDS) if PROMPT_IDS in columns else (COMPLETION_IDS, PROMPT_IDS)
-        raise TOPRDataError(
-            f"{dataset_name} dataset: column '{present}' without '{absent}': token ids are given for both the prompt "
-            "and the completion, or for neither (then the text is tokenized)."
-        )
-    if PROMPT_IDS in columns:
-        for column in (PROMPT_IDS, COMPLETION_IDS):
-            for row, ids in enumerate(dataset[column]):
-                if not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids):
-                    raise _fail(dataset_name, column, row, f"expected a list of token ids (ints >= 0), got {ids!r}.")
-                if column == COMPLETION_IDS and not ids:
-                    raise _fail(dataset_name, column, row, "a completion needs at least one token id, got [].")
-
-    # Rewards: finite numbers, or booleans in the label column.
-    if has_reward:
-        rewards = dataset[args.reward_column]
-        for row, reward in enumerate(rewards):
-            if not _is_number(reward):
-                hint = f" For boolean outcomes use a '{args.label_column}' column." if isinstance(reward, bool) else ""
-                raise _fail(dataset_name, args.reward_column, row, f"expected a number, got {reward!r}.{hint}")
-            if not math.isfinite(reward):
-                raise _fail(dataset_name, args.reward_column, row, f"reward must be finite, got {reward}.")
-        rewards = [float(r) for r in rewards]
-    else:
-        labels = dataset[args.label_column]
-        for row, label in enumerate(labels):
-            if not isinstance(label, bool):
-                raise _fail(dataset_name, args.label_column, row, f"expected a boolean, got {label!r}.")
-        rewards = [1.0 if label else -1.0 for label in labels]
-
-    # Behavior log-probs: one column format, finite and <= 0.
+    _check_token_ids(dataset, dataset_name)
+    rewards = _checked_rewards(dataset, args, dataset_name)
     if args.behavior_logps_column in columns:
-        values = dataset[args.behavior_logps_column]
-        per_token = isinstance(values[0], list)
-        if args.ratio_level == "token" and not per_token:
-            raise TOPRDataError(
-                f"{dataset_name} dataset, column '{args.behavior_logps_column}': `ratio_level='token'` needs per-token "
-                "behavior log-probs, but row 0 gives one float. Give a list per row, or drop the column to have them "
-                "computed."
-            )
-        for row, value in enumerate(values):
-            items = value if per_token and isinstance(value, list) else [value]
-            if (per_token and not isinstance(value, list)) or not all(_is_number(v) for v in items):
-                raise _fail(
-                    dataset_name,
-                    args.behavior_logps_column,
-                    row,
-                    f"expected {'a list of floats' if per_token else 'a float'}, like row 0, got {value!r}.",
-                )
-            for v in items:
-                if not math.isfinite(v) or v > 0:
-                    raise _fail(
-                        dataset_name,
-                        args.behavior_logps_column,
-                        row,
-                        f"log-probabilities must be finite and <= 0, got {v}.",
-                    )
+        _check_behavior_logps(dataset[args.behavior_logps_column], args, dataset_name)
 
     # Rename to the canonical names TRL's tokenization and the collator read.
     renames = {
@@ -209,6 +134,85 @@ def validate_and_standardize(dataset: Dataset, args, dataset_name: str = "train"
     if REWARD in dataset.column_names:
         dataset = dataset.remove_columns(REWARD)  # replaced by the checked float rewards
     return dataset.add_column(REWARD, rewards)
+
+
+def _check_columns(dataset, args, dataset_name: str) -> None:
+    # A map-style dataset with rows and the columns the configuration names.
+    if isinstance(dataset, IterableDataset):
+        raise TOPRDataError(
+            f"The {dataset_name} dataset is an `IterableDataset`: TOPR needs a map-style `datasets.Dataset`, since "
+            "the data is validated, the baseline derived and the behavior log-probs computed over the whole set "
+            "before training. Materialize it first, e.g. `Dataset.from_list(list(iterable_dataset))`."
+        )
+    if not isinstance(dataset, Dataset):
+        raise TypeError(f"The {dataset_name} dataset must be a `datasets.Dataset`, got {type(dataset).__name__}.")
+    if len(dataset) == 0:
+        raise TOPRDataError(f"The {dataset_name} dataset has no rows.")
+    columns = dataset.column_names
+    for column in (args.prompt_column, args.completion_column):
+        if column not in columns:
+            raise TOPRDataError(f"{dataset_name} dataset: missing column '{column}' (found {columns}).")
+    if args.reward_column not in columns and args.label_column not in columns:
+        raise TOPRDataError(
+            f"{dataset_name} dataset: missing column '{args.reward_column}' (or a boolean '{args.label_column}' "
+            f"column) (found {columns})."
+        )
+
+
+def _check_token_ids(dataset, dataset_name: str) -> None:
+    # Token ids: both columns or neither, lists of token ids, at least one completion token.
+    columns = dataset.column_names
+    if (PROMPT_IDS in columns) != (COMPLETION_IDS in columns):
+        present, absent = (PROMPT_IDS, COMPLETION_IDS) if PROMPT_IDS in columns else (COMPLETION_IDS, PROMPT_IDS)
+        raise TOPRDataError(
+            f"{dataset_name} dataset: column '{present}' without '{absent}': token ids are given for both the prompt "
+            "and the completion, or for neither (then the text is tokenized)."
+        )
+    if PROMPT_IDS in columns:
+        for column in (PROMPT_IDS, COMPLETION_IDS):
+            for row, ids in enumerate(dataset[column]):
+                if not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids):
+                    raise _fail(dataset_name, column, row, f"expected a list of token ids (ints >= 0), got {ids!r}.")
+                if column == COMPLETION_IDS and not ids:
+                    raise _fail(dataset_name, column, row, "a completion needs at least one token id, got [].")
+
+
+def _checked_rewards(dataset, args, dataset_name: str) -> list[float]:
+    # Rewards: finite numbers, or booleans in the label column (+1 / -1).
+    if args.reward_column in dataset.column_names:
+        rewards = dataset[args.reward_column]
+        for row, reward in enumerate(rewards):
+            if not _is_number(reward):
+                hint = f" For boolean outcomes use a '{args.label_column}' column." if isinstance(reward, bool) else ""
+                raise _fail(dataset_name, args.reward_column, row, f"expected a number, got {reward!r}.{hint}")
+            if not math.isfinite(reward):
+                raise _fail(dataset_name, args.reward_column, row, f"reward must be finite, got {reward}.")
+        return [float(r) for r in rewards]
+    labels = dataset[args.label_column]
+    for row, label in enumerate(labels):
+        if not isinstance(label, bool):
+            raise _fail(dataset_name, args.label_column, row, f"expected a boolean, got {label!r}.")
+    return [1.0 if label else -1.0 for label in labels]
+
+
+def _check_behavior_logps(values: list, args, dataset_name: str) -> None:
+    # Behavior log-probs: one column format, finite and <= 0.
+    column = args.behavior_logps_column
+    per_token = isinstance(values[0], list)
+    if args.ratio_level == "token" and not per_token:
+        raise TOPRDataError(
+            f"{dataset_name} dataset, column '{column}': `ratio_level='token'` needs per-token "
+            "behavior log-probs, but row 0 gives one float. Give a list per row, or drop the column to have them "
+            "computed."
+        )
+    for row, value in enumerate(values):
+        items = value if per_token and isinstance(value, list) else [value]
+        if (per_token and not isinstance(value, list)) or not all(_is_number(v) for v in items):
+            raise _fail(dataset_name, column, row,
+                        f"expected {'a list of floats' if per_token else 'a float'}, like row 0, got {value!r}.")
+        for v in items:
+            if not math.isfinite(v) or v > 0:
+                raise _fail(dataset_name, column, row, f"log-probabilities must be finite and <= 0, got {v}.")
 
 
 def check_and_truncate_tokens(dataset: Dataset, max_length: int | None, dataset_name: str = "train") -> Dataset:
