@@ -36,17 +36,19 @@ import time
 START = time.monotonic()  # before the imports: the elapsed time of the summary is the whole run's
 
 import trl_topr  # noqa: E402, F401  (first: it quiets the import-time notices of bitsandbytes and DeepSpeed)
-import json  # noqa: E402
-import logging  # noqa: E402
-import random  # noqa: E402
-import re  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import datasets  # noqa: E402
 import transformers  # noqa: E402
-from datasets import Dataset, load_dataset  # noqa: E402
-from huggingface_hub import HfApi  # noqa: E402
+from common import (  # noqa: E402
+    arithmetic_problems,
+    evaluation_table,
+    few_shot_prompts,
+    load_problems,
+    publish,
+    show_progress,
+    solution_text,
+)
 from transformers import AutoTokenizer  # noqa: E402
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config  # noqa: E402
 
@@ -59,12 +61,13 @@ from trl_topr import (  # noqa: E402
     run_topr_loop,
 )
 from trl_topr.embedded import smollm2_path  # noqa: E402
+from trl_topr.generation import SamplingSettings  # noqa: E402
 from trl_topr.precision import device_type  # noqa: E402
-from trl_topr.rewards import gold_answer  # noqa: E402
+from trl_topr.scripts.utils import set_model_init_kwargs  # noqa: E402
 from trl_topr.trainer import base_model_name  # noqa: E402
 
 
-INSTRUCTION = "Solve the problem step by step. End your response with 'The answer is N.' where N is the final number."
+__all__ = ["arithmetic_problems", "few_shot_prompts", "main", "make_parser", "solution_text", "summary"]
 
 
 @dataclass
@@ -97,101 +100,22 @@ class GSM8KArguments:
     )
 
 
-def solution_text(answer_field: str) -> str:
-    """A GSM8K solution rewritten in the prompt's format: calculator annotations removed, "#### N" replaced by
-    "The answer is N."."""
-    reasoning = re.sub(r"<<[^>]*>>", "", answer_field.split("####")[0]).strip()
-    return f"{reasoning}\nThe answer is {gold_answer(answer_field)}."
-
-
-def arithmetic_problems(seed: int = 0) -> list[dict[str, str]]:
-    """All 243 single-digit `a op b` questions (op in + - *), shuffled, in GSM8K's question/answer format."""
-    problems = []
-    for a in range(1, 10):
-        for op, result in (("+", lambda x, y: x + y), ("-", lambda x, y: x - y), ("*", lambda x, y: x * y)):
-            for b in range(1, 10):
-                value = result(a, b)
-                problems.append({"question": f"What is {a} {op} {b}?", "answer": f"{a} {op} {b} = {value}\n#### {value}"})
-    random.Random(seed).shuffle(problems)
-    return problems
-
-
-def load_problems(script_args: GSM8KArguments, seed: int) -> tuple[list[dict], list[dict]]:
-    """Training and test questions (dicts with `question` and `answer`) of the chosen task."""
-    if script_args.task == "arithmetic":
-        problems = arithmetic_problems(seed)
-        return problems[:160], problems[160:]
-    if script_args.dataset_path is not None:
-        files = {split: str(Path(script_args.dataset_path) / f"{split}.jsonl") for split in ("train", "test")}
-        data = load_dataset("json", data_files=files)
-    else:
-        data = load_dataset("openai/gsm8k", "main")
-    return list(data["train"]), list(data["test"])
-
-
-def few_shot_prompts(problems: list[dict], shots: list[dict]) -> Dataset:
-    """Conversational prompts: the worked examples as earlier turns, then the question; `answer` kept for scoring."""
-    context = []
-    for shot in shots:
-        context += [{"role": "user", "content": shot["question"]}, {"role": "assistant", "content": solution_text(shot["answer"])}]
-    rows = []
-    for problem in problems:
-        messages = [{"role": "system", "content": INSTRUCTION}, *context, {"role": "user", "content": problem["question"]}]
-        rows.append({"prompt": messages, "answer": problem["answer"]})
-    return Dataset.from_list(rows)
-
-
-def evaluation_table(rounds: list[dict]) -> str:
-    """Markdown table of the per-round evaluation (round 0 is the initial model)."""
-    names = [n for n in ("pass@1_greedy", "pass@1", *[k for k in rounds[0] if k.startswith("maj@")], "invalid_rate",
-                         "reward", "effective_positive_fraction") if any(n in r for r in rounds)]
-    lines = ["| round | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
-    for r in rounds:
-        cells = [f"{r[n]:.3f}" if isinstance(r.get(n), float) else "" for n in names]
-        lines.append(f"| {r['round']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def publish(folder: Path, rounds: list[dict], script_args, training_args: TOPRConfig,
-            title: str = "GSM8K evaluation per round", extra: str = "", commit_message: str = "TOPR on GSM8K") -> None:
-    """Add the per-round evaluation (then `extra`, markdown ending in a blank line) and the recipe's settings to the
-    model card, and upload the folder to the Hub."""
-    card = folder / "README.md"
-    settings = dict(vars(script_args))
-    settings.update({k: getattr(training_args, k) for k in ("loss_type", "ratio_level", "loss_normalization",
-                                                            "baseline", "target_positive_fraction", "learning_rate")})
-    card.write_text(
-        card.read_text()
-        + f"\n## {title}\n\nRound 0 is the initial model.\n\n" + evaluation_table(rounds) + "\n\n" + extra
-        + "## Recipe settings\n\n```json\n" + json.dumps(settings, indent=2) + "\n```\n"
-    )
-    if not training_args.push_to_hub:
-        return
-    repo_id = training_args.hub_model_id or Path(training_args.output_dir).name
-    api = HfApi(token=training_args.hub_token)
-    api.create_repo(repo_id, private=training_args.hub_private_repo, exist_ok=True)
-    api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message=commit_message,
-                      ignore_patterns=["samples.jsonl", "checkpoint-*", "adapter/*"])
-
-
 def main(script_args: GSM8KArguments, training_args: TOPRConfig, model_args: ModelConfig) -> list[dict]:
     """Run the rounds, print the evaluation before and after, publish; return the per-round metrics."""
     model = model_args.model_name_or_path
     if model is None:
         with training_args.main_process_first(desc="SmolLM2 conversion"):
             model = smollm2_path()
-    training_args.model_init_kwargs = {
-        "revision": model_args.model_revision,
-        "trust_remote_code": training_args.trust_remote_code,
-        "attn_implementation": model_args.attn_implementation,
-        "dtype": model_args.dtype,
-        **(training_args.model_init_kwargs or {}),
-    }
+    set_model_init_kwargs(training_args, model_args)
     train_problems, test_problems = load_problems(script_args, training_args.seed)
     shots, train_problems = train_problems[: script_args.num_shots], train_problems[script_args.num_shots :]
     train_problems = train_problems[: script_args.num_train_prompts]
     test_problems = test_problems[: script_args.num_eval_prompts]
 
+    sampling = SamplingSettings(
+        num_samples=script_args.num_samples, temperature=script_args.temperature, top_p=script_args.top_p,
+        top_k=script_args.top_k, max_new_tokens=script_args.max_new_tokens, batch_size=script_args.sampling_batch_size,
+    )
     rounds = run_topr_loop(
         model,
         few_shot_prompts(train_problems, shots),
@@ -206,16 +130,8 @@ def main(script_args: GSM8KArguments, training_args: TOPRConfig, model_args: Mod
         processing_class=AutoTokenizer.from_pretrained(model),
         peft_config=get_peft_config(model_args),
         quantization_config=get_quantization_config(model_args),
-        sampling_kwargs={
-            "num_samples": script_args.num_samples, "temperature": script_args.temperature,
-            "top_p": script_args.top_p, "top_k": script_args.top_k, "max_new_tokens": script_args.max_new_tokens,
-            "batch_size": script_args.sampling_batch_size,
-        },
-        eval_kwargs={
-            "num_samples": script_args.eval_num_samples, "temperature": script_args.temperature,
-            "top_p": script_args.top_p, "top_k": script_args.top_k, "max_new_tokens": script_args.max_new_tokens,
-            "batch_size": script_args.sampling_batch_size, "seed": training_args.seed,
-        },
+        sampling=sampling,
+        eval_sampling=sampling.replace(num_samples=script_args.eval_num_samples, seed=training_args.seed),
     )  # fmt: skip
     if training_args.process_index == 0:
         print(f"\nGSM8K ({script_args.task}) evaluation, round 0 = before training:\n\n{evaluation_table(rounds)}\n")
@@ -261,18 +177,6 @@ def make_parser(subparsers=None) -> TrlParser:
     if subparsers is not None:
         return subparsers.add_parser("gsm8k", help="TOPR on GSM8K", dataclass_types=dataclass_types, epilog=epilog)
     return TrlParser(dataclass_types, epilog=epilog)
-
-
-def show_progress() -> None:
-    """Print the loop's progress messages, and leave out the libraries' per-step progress bars (loading weights,
-    tokenizing): the sampling and training bars remain."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", "%H:%M:%S"))
-    logger = logging.getLogger("trl_topr")
-    logger.setLevel(logging.INFO)
-    logger.addHandler(handler)
-    datasets.disable_progress_bars()
-    transformers.utils.logging.disable_progress_bar()
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import time
 START = time.monotonic()  # before the imports: the elapsed time of the summary is the whole run's
 
 import trl_topr  # noqa: E402, F401  (first: it quiets the import-time notices of bitsandbytes and DeepSpeed)
+import contextlib  # noqa: E402
 import json  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -40,17 +41,15 @@ from pathlib import Path  # noqa: E402
 import transformers  # noqa: E402
 from accelerate import PartialState  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from gsm8k import few_shot_prompts, load_problems, publish, show_progress  # noqa: E402
+from common import few_shot_prompts, load_problems, publish, show_progress  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config  # noqa: E402
-from trl.trainer.utils import create_model_from_path  # noqa: E402
 
 from trl_topr import (  # noqa: E402
     TOPRConfig,
     best_of_n,
     extract_final_answer,
     extract_verdict,
-    generate_completions,
     gsm8k_reward,
     run_topr_loop,
     verifier_invalid,
@@ -59,12 +58,13 @@ from trl_topr import (  # noqa: E402
     weighted_vote,
 )
 from trl_topr.data import completion_text  # noqa: E402
-from trl_topr.distributed import unsharded_loading  # noqa: E402
 from trl_topr.embedded import smollm2_path  # noqa: E402
+from trl_topr.generation import GenerationEngine, SamplingSettings, generation_engine, prompt_ids  # noqa: E402
 from trl_topr.precision import device_type  # noqa: E402
 from trl_topr.rewards import answers_match, gold_answer  # noqa: E402
+from trl_topr.sampling import decode_completions  # noqa: E402
+from trl_topr.scripts.utils import set_model_init_kwargs  # noqa: E402
 from trl_topr.trainer import base_model_name  # noqa: E402
-from trl_topr.vllm import vllm_generation_from_config  # noqa: E402
 
 
 SOLUTIONS_FILE = "solutions.json"
@@ -103,42 +103,41 @@ class VerifierArguments:
     sampling_batch_size: int = field(default=16, metadata={"help": "Prompts per generation batch."})
 
 
-def generate(model_paths: list[str], prompts: list, num_samples: int, max_new_tokens: int, seed: int,
-             script_args: VerifierArguments, training_args: TOPRConfig) -> list[list]:
-    """Sampled completions of the same prompts by each model in turn (models sharing a tokenizer), with vLLM under
-    `use_vllm` (one engine, its weights reloaded from each next model's folder, closed at the end) or transformers.
+def sampling_settings(script_args: VerifierArguments, num_samples: int, max_new_tokens: int,
+                      seed: int | None = None) -> SamplingSettings:  # fmt: skip
+    """The recipe's sampling settings, for `num_samples` completions of at most `max_new_tokens` tokens."""
+    return SamplingSettings(num_samples=num_samples, temperature=script_args.temperature, top_p=script_args.top_p,
+                            top_k=script_args.top_k, max_new_tokens=max_new_tokens,
+                            batch_size=script_args.sampling_batch_size, seed=seed)  # fmt: skip
+
+
+def generate(model_paths: list[str], prompts: list, settings: SamplingSettings, training_args: TOPRConfig,
+             engine: GenerationEngine | None = None) -> list[list]:  # fmt: skip
+    """Sampled completions of the same prompts by each model in turn (models sharing a tokenizer), with `engine`
+    (given each next model's folder) or, without it, the engine `training_args` asks for, started for this call.
     Every process generates a share and gets all of them."""
     processing_class = AutoTokenizer.from_pretrained(model_paths[0])
-    vllm_generation, outputs = None, []
-    try:
+    ids = [prompt_ids(processing_class, prompt) for prompt in prompts]
+    own = engine is None
+    with generation_engine(model_paths[0], processing_class, training_args) if own else contextlib.nullcontext(engine):
+        outputs = []
         for path in model_paths:
-            with unsharded_loading():  # whole on every process (ZeRO-3 with zero3_init_flag would partition it)
-                model = create_model_from_path(path, **(training_args.model_init_kwargs or {}))
-            if vllm_generation is None:
-                vllm_generation = vllm_generation_from_config(model, processing_class, training_args)
-            else:
-                vllm_generation.reload_weights(path)
-            completions, _, _ = generate_completions(
-                model, processing_class, prompts, num_samples=num_samples, temperature=script_args.temperature,
-                top_p=script_args.top_p, top_k=script_args.top_k, max_new_tokens=max_new_tokens,
-                batch_size=script_args.sampling_batch_size, seed=seed, bf16=training_args.bf16,
-                vllm_generation=vllm_generation,
-            )  # fmt: skip
-            outputs.append(completions)
-    finally:
-        if vllm_generation is not None:
-            vllm_generation.close()  # its memory back before the next engine starts
+            engine.load_weights(path)
+            completions = engine.generate(ids, settings).completion_ids
+            outputs.append(decode_completions(processing_class, prompts, completions))
     return outputs
 
 
 def sample_solutions(generator: str, problems: dict[str, list[dict]], shots: list[dict],
-                     script_args: VerifierArguments, training_args: TOPRConfig) -> dict[str, list[dict]]:
+                     script_args: VerifierArguments, training_args: TOPRConfig,
+                     engine: GenerationEngine | None = None) -> dict[str, list[dict]]:  # fmt: skip
     """The generator's solutions to each split's problems, `num_solutions` each, with their answer and correctness:
-    rows `question`, `answer` (gold), `solution`, `predicted`, `correct`, `question_index`."""
+    rows `question`, `answer` (gold), `solution`, `predicted`, `correct`, `question_index` (with `engine`, if given)."""
     n = script_args.num_solutions
     everything = [problem for split in problems.values() for problem in split]
-    (completions,) = generate([generator], list(few_shot_prompts(everything, shots)["prompt"]), n,
-                              script_args.solution_max_new_tokens, training_args.seed, script_args, training_args)
+    settings = sampling_settings(script_args, n, script_args.solution_max_new_tokens, seed=training_args.seed)
+    (completions,) = generate([generator], list(few_shot_prompts(everything, shots)["prompt"]), settings, training_args,
+                              engine)  # fmt: skip
     golds = [problem["answer"] for problem in everything for _ in range(n)]
     rewards = gsm8k_reward(None, completions, answer=golds)
     rows = []
@@ -154,12 +153,13 @@ def sample_solutions(generator: str, problems: dict[str, list[dict]], shots: lis
 
 
 def verifier_scores(model_paths: list[str], prompts: Dataset, script_args: VerifierArguments,
-                    training_args: TOPRConfig) -> list[list[float]]:
-    """Each solution's score by each verifier: the share of `eval_num_verdicts` sampled verdicts that say "correct"."""
+                    training_args: TOPRConfig, engine: GenerationEngine | None = None) -> list[list[float]]:
+    """Each solution's score by each verifier: the share of `eval_num_verdicts` sampled verdicts that say "correct"
+    (sampled with `engine`, if given)."""
     k = script_args.eval_num_verdicts
     scores = []
-    for verdicts in generate(model_paths, list(prompts["prompt"]), k, script_args.verdict_max_new_tokens,
-                             training_args.seed, script_args, training_args):  # fmt: skip
+    settings = sampling_settings(script_args, k, script_args.verdict_max_new_tokens, seed=training_args.seed)
+    for verdicts in generate(model_paths, list(prompts["prompt"]), settings, training_args, engine):
         said_correct = [extract_verdict(completion_text(v)) == "correct" for v in verdicts]
         scores.append([sum(said_correct[i * k : (i + 1) * k]) / k for i in range(len(prompts))])
     return scores
@@ -191,11 +191,7 @@ def main(script_args: VerifierArguments, training_args: TOPRConfig, model_args: 
     if model is None:
         with training_args.main_process_first(desc="SmolLM2 conversion"):
             model = smollm2_path()
-    training_args.model_init_kwargs = {
-        "revision": model_args.model_revision, "trust_remote_code": training_args.trust_remote_code,
-        "attn_implementation": model_args.attn_implementation, "dtype": model_args.dtype,
-        **(training_args.model_init_kwargs or {}),
-    }  # fmt: skip
+    set_model_init_kwargs(training_args, model_args)
     generator = script_args.generator_model_name_or_path or model
     train_problems, test_problems = load_problems(script_args, training_args.seed)
     shots, train_problems = train_problems[: script_args.num_shots], train_problems[script_args.num_shots :]
@@ -204,31 +200,32 @@ def main(script_args: VerifierArguments, training_args: TOPRConfig, model_args: 
 
     output_dir = Path(training_args.output_dir)
     solutions_file = output_dir / SOLUTIONS_FILE
-    if solutions_file.exists():  # a run started again: the same solutions, not new ones
-        solutions = json.loads(solutions_file.read_text())
-    else:  # every process generates a share and gets all of them
-        solutions = sample_solutions(generator, {"train": train_problems, "test": test_problems}, shots, script_args,
-                                     training_args)  # fmt: skip
-        if PartialState().is_main_process:
-            output_dir.mkdir(parents=True, exist_ok=True)
-            solutions_file.write_text(json.dumps(solutions))
-    train_prompts, test_prompts = verifier_prompts(solutions["train"]), verifier_prompts(solutions["test"])
     processing_class = AutoTokenizer.from_pretrained(model)
-
-    sampling = {"temperature": script_args.temperature, "top_p": script_args.top_p, "top_k": script_args.top_k,
-                "max_new_tokens": script_args.verdict_max_new_tokens, "batch_size": script_args.sampling_batch_size}
-    rounds = run_topr_loop(
-        model, train_prompts, {"verdict": verifier_reward, "invalid": verifier_invalid}, training_args,
-        num_rounds=script_args.num_rounds,
-        reward_weights=[1.0, 0.0],  # `invalid` is a column, not part of the reward (an invalid verdict scores -1)
-        eval_prompts=test_prompts, correct_func=verifier_reward, answer_func=extract_verdict,
-        processing_class=processing_class, peft_config=get_peft_config(model_args),
-        quantization_config=get_quantization_config(model_args),
-        sampling_kwargs={"num_samples": script_args.num_verdicts, **sampling},
-        eval_kwargs={"num_samples": script_args.eval_num_verdicts, "seed": training_args.seed, **sampling},
-    )  # fmt: skip
-    final = output_dir / f"round-{rounds[-1]['round']}"
-    before, after = verifier_scores([model, str(final)], test_prompts, script_args, training_args)
+    # One engine for every stage (one vLLM start): the solutions (when the verifier starts from the generator), the
+    # loop's rounds, and the scores before and after; each stage gives it the weights it needs.
+    with generation_engine(model, processing_class, training_args) as engine:
+        if solutions_file.exists():  # a run started again: the same solutions, not new ones
+            solutions = json.loads(solutions_file.read_text())
+        else:  # every process generates a share and gets all of them
+            solutions = sample_solutions(generator, {"train": train_problems, "test": test_problems}, shots,
+                                         script_args, training_args, engine if generator == model else None)
+            if PartialState().is_main_process:
+                output_dir.mkdir(parents=True, exist_ok=True)
+                solutions_file.write_text(json.dumps(solutions))
+        train_prompts, test_prompts = verifier_prompts(solutions["train"]), verifier_prompts(solutions["test"])
+        rounds = run_topr_loop(
+            model, train_prompts, {"verdict": verifier_reward, "invalid": verifier_invalid}, training_args,
+            num_rounds=script_args.num_rounds,
+            reward_weights=[1.0, 0.0],  # `invalid` is a column, not part of the reward (an invalid verdict scores -1)
+            eval_prompts=test_prompts, correct_func=verifier_reward, answer_func=extract_verdict,
+            processing_class=processing_class, peft_config=get_peft_config(model_args),
+            quantization_config=get_quantization_config(model_args), engine=engine,
+            sampling=sampling_settings(script_args, script_args.num_verdicts, script_args.verdict_max_new_tokens),
+            eval_sampling=sampling_settings(script_args, script_args.eval_num_verdicts,
+                                            script_args.verdict_max_new_tokens, seed=training_args.seed),
+        )  # fmt: skip
+        final = output_dir / f"round-{rounds[-1]['round']}"
+        before, after = verifier_scores([model, str(final)], test_prompts, script_args, training_args, engine)
     votes = {"before": vote_accuracies(solutions["test"], before), "after": vote_accuracies(solutions["test"], after)}
     results = {"rounds": rounds, "votes": votes,
                "labels": {split: sum(r["correct"] for r in rows) / len(rows) for split, rows in solutions.items()}}

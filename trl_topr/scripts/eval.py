@@ -91,7 +91,7 @@ def main(script_args: EvalArguments, generation_args: GenerationArguments) -> di
     answer_func = import_function(script_args.answer_func)
     prompts = load_prompts(generation_args)
     model_path = resolve_model(generation_args.model_name_or_path)
-    model = create_model_from_path(model_path, **model_init_kwargs(generation_args))
+    model = create_model_from_path(model_path, **model_init_kwargs(generation_args, device_per_process=True))
     state = PartialState()
     if model.device.type == "cpu" and state.device.type != "cpu":
         model = model.to(state.device)

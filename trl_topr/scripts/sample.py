@@ -113,7 +113,7 @@ def main(script_args: SampleArguments, generation_args: GenerationArguments, vll
     reward_funcs = [import_function(path) for path in script_args.reward_funcs]
     prompts = load_prompts(generation_args)
     model = resolve_model(generation_args.model_name_or_path)
-    init_kwargs = model_init_kwargs(generation_args)
+    init_kwargs = model_init_kwargs(generation_args, device_per_process=True)
     tokenizer = AutoTokenizer.from_pretrained(
         model, revision=generation_args.model_revision, trust_remote_code=generation_args.trust_remote_code
     )

@@ -285,32 +285,54 @@ def load_prompts(args: GenerationArguments):
     return dataset
 
 
-def model_init_kwargs(args: GenerationArguments) -> dict[str, Any]:
+def model_init_kwargs(
+    args, *, trust_remote_code: bool | None = None, device_per_process: bool = False
+) -> dict[str, Any]:
     """
-    Keyword arguments of `from_pretrained` for the model of [`GenerationArguments`], as TRL's scripts build them.
-
-    Under several processes (`--num_processes`), each process loads its own copy on its own device.
+    Keyword arguments of `from_pretrained` from a script's model options, as TRL's scripts build them: the one builder
+    of the CLI and the recipes.
 
     Args:
-        args ([`GenerationArguments`]):
-            The script's arguments.
+        args ([`GenerationArguments`] or [`~trl.ModelConfig`]):
+            The model options: `model_revision`, `attn_implementation`, `dtype` (and `trust_remote_code`, which TRL's
+            `ModelConfig` leaves to the training arguments).
+        trust_remote_code (`bool`, *optional*):
+            Overrides `args.trust_remote_code` (e.g. a [`~trl_topr.TOPRConfig`]'s).
+        device_per_process (`bool`, *optional*, defaults to `False`):
+            Under several GPU processes, load each process's copy on its own device (`device_map`), for a script
+            that uses the model outside a trainer. A trainer places the model itself.
 
     Returns:
-        `dict[str, Any]`: `revision`, `trust_remote_code`, `attn_implementation`, `dtype` and, with several
-        processes, `device_map`.
+        `dict[str, Any]`: `revision`, `trust_remote_code`, `attn_implementation`, `dtype` and, with
+        `device_per_process` under several GPU processes, `device_map`.
     """
     from accelerate import PartialState
 
     kwargs = {
         "revision": args.model_revision,
-        "trust_remote_code": args.trust_remote_code,
+        "trust_remote_code": getattr(args, "trust_remote_code", False) if trust_remote_code is None else trust_remote_code,
         "attn_implementation": args.attn_implementation,
         "dtype": args.dtype,
     }
     state = PartialState()
-    if state.num_processes > 1 and state.device.type != "cpu":
+    if device_per_process and state.num_processes > 1 and state.device.type != "cpu":
         kwargs["device_map"] = {"": state.device}
     return kwargs
+
+
+def set_model_init_kwargs(training_args, model_args) -> None:
+    """
+    Load the models of a training script with TRL's `ModelConfig` options (`--dtype`, `--attn_implementation`...),
+    under what `training_args.model_init_kwargs` sets explicitly, in place.
+
+    Args:
+        training_args ([`~trl_topr.TOPRConfig`]):
+            The training arguments (their `trust_remote_code` is used).
+        model_args ([`~trl.ModelConfig`]):
+            The model options.
+    """
+    init_kwargs = model_init_kwargs(model_args, trust_remote_code=training_args.trust_remote_code)
+    training_args.model_init_kwargs = {**init_kwargs, **(training_args.model_init_kwargs or {})}
 
 
 def resolve_model(model_name_or_path: str | None) -> str:
