@@ -73,6 +73,7 @@ WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("normalization", ["token_mean", "sequence_length"])
 def test_two_processes_update_like_one_batch(tiny_model_path, tmp_path, normalization):
     script = tmp_path / "worker.py"

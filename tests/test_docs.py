@@ -7,7 +7,9 @@ import pytest
 import trl_topr.composition
 import trl_topr.curation
 import trl_topr.data
+import trl_topr.distributed
 import trl_topr.evaluation
+import trl_topr.generation.settings
 import trl_topr.loss
 import trl_topr.online
 import trl_topr.precision
@@ -20,7 +22,8 @@ import trl_topr.verifier
 @pytest.mark.parametrize(
     "module",
     [trl_topr.loss, trl_topr.composition, trl_topr.curation, trl_topr.data, trl_topr.evaluation, trl_topr.online,
-     trl_topr.precision, trl_topr.rewards, trl_topr.sampling, trl_topr.trainer, trl_topr.verifier],
+     trl_topr.precision, trl_topr.rewards, trl_topr.sampling, trl_topr.trainer, trl_topr.verifier,
+     trl_topr.generation.settings, trl_topr.distributed],
 )
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)

@@ -49,6 +49,9 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from trl_topr import TOPRTrainer  # noqa: E402
 
 
+pytestmark = pytest.mark.multiprocess  # each test launches 2 processes (`accelerate launch`, gloo)
+
+
 GLOBAL_BATCH = 4
 MAX_STEPS = 4  # two epochs of 8 rows
 WEIGHT_TOLERANCE = dict(atol=1e-5, rtol=1e-4)

@@ -120,6 +120,7 @@ RECIPE_WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.multiprocess
 def test_recipe_under_accelerate_launch_with_two_processes(tiny_model_path, tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(RECIPE_WORKER.format(recipes=str(RECIPES), tests=str(Path(__file__).parent)))

@@ -141,6 +141,7 @@ WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("engine", ["ddp", "zero3", "fsdp2"])
 def test_recipe_under_accelerate_launch_with_two_processes(engine, tiny_model_path, tmp_path):
     # the shipped configurations on 2 CPU processes: the recipe's own generation (solutions, scores) loads whole

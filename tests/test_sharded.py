@@ -25,6 +25,8 @@ from safetensors.torch import load_file
 from trl_topr import TOPRTrainer
 
 
+pytestmark = pytest.mark.multiprocess  # each test launches 2 processes (`accelerate launch`, gloo)
+
 RECIPES = Path(__file__).parent.parent / "recipes" / "accelerate"
 # Saved weights after 6 AdamW steps at learning rate 1e-2: with the same global batches, only the order of float32
 # sums differs between 1 and 2 processes (all-reduce, sharded reductions), and Adam's normalization can amplify that

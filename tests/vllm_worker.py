@@ -1,6 +1,6 @@
-"""Run by `tests/test_vllm.py` under `accelerate launch` (2 CPU processes, one colocated vLLM engine in each): the
-loop for two rounds, or the online trainer for three steps, the results written as JSON by every process. Not a test
-module itself."""
+"""Run by `tests/test_multiprocess_vllm.py` under `accelerate launch` (2 CPU processes, one colocated vLLM engine in
+each): the loop for two rounds (its engine closed at its end) and/or the online trainer for three steps (an engine of
+its own), the results written as JSON by every process. Not a test module itself."""
 
 import json
 import sys
@@ -21,7 +21,7 @@ def largest_change(saved: str, initial: str) -> float:
     return max((after[name] - weight).abs().max().item() for name, weight in before.items())
 
 
-def main(kind: str, engine: str, tests_dir: str, model_path: str, output_dir: str):
+def main(parts: str, engine: str, tests_dir: str, model_path: str, output_dir: str):
     sys.path.insert(0, tests_dir)
     if engine == "fsdp2":
         from sharded_worker import reapply_fsdp_plugin
@@ -33,20 +33,21 @@ def main(kind: str, engine: str, tests_dir: str, model_path: str, output_dir: st
     from trl_topr.rewards import gsm8k_reward
 
     result = {}
-    if kind == "loop":
+    if "loop" in parts.split(","):
         result["rounds"] = run_topr_loop(model_path, arithmetic(8), gsm8k_reward, loop_args(output_dir),
                                          eval_prompts=arithmetic(3), **LOOP)  # fmt: skip
-    else:
-        trainer = TOPRGRPOTrainer(model_path, reward_funcs=gsm8k_reward, args=online_args(output_dir),
+        # the loop has closed its engine by now: the processes keep their group (vLLM's teardown destroys it)
+        result["world_after_loop"] = [PartialState().num_processes, torch.distributed.get_world_size()]
+    if "online" in parts.split(","):
+        trainer = TOPRGRPOTrainer(model_path, reward_funcs=gsm8k_reward, args=online_args(f"{output_dir}/online"),
                                   train_dataset=arithmetic(8))  # fmt: skip
         trainer.train()
-        trainer.save_model(f"{output_dir}/final")
+        trainer.save_model(f"{output_dir}/online/final")
         PartialState().wait_for_everyone()
-        result["moved"] = largest_change(f"{output_dir}/final", model_path)
+        result["moved"] = largest_change(f"{output_dir}/online/final", model_path)
         result["steps"] = [h for h in trainer.state.log_history if "sampling/sampling_logp_difference/max" in h]
         result["deepspeed"] = getattr(trainer, "is_deepspeed_enabled", False)
         result["fsdp"] = getattr(trainer, "is_fsdp_enabled", False)
-    # the loop has closed its engines by now: the processes keep their group (vLLM's teardown destroys it)
     result["world"] = [PartialState().num_processes, torch.distributed.get_world_size()]
     with open(f"{output_dir}/result-rank{PartialState().process_index}.json", "w") as f:
         json.dump(result, f)
