@@ -86,6 +86,11 @@ class GSM8KArguments:
     num_eval_prompts: int | None = field(default=None, metadata={"help": "Test questions (default: all)."})
     num_shots: int = field(default=8, metadata={"help": "Worked examples in the prompt (the paper: 8)."})
     num_rounds: int = field(default=1, metadata={"help": "Rounds of sample / train / evaluate."})
+    replay_rounds: int = field(
+        default=0,
+        metadata={"help": "Off-policy replay: each round also trains on the rows of this many earlier rounds, with the "
+                  "behavior log-probs recorded when they were sampled (0: the paper's on-policy rounds)."},
+    )
     num_samples: int = field(default=16, metadata={"help": "Samples per training question (the paper: 16)."})
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (the paper: 1)."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling threshold (the paper: 1)."})
@@ -122,6 +127,7 @@ def main(script_args: GSM8KArguments, training_args: TOPRConfig, model_args: Mod
         {"correct": gsm8k_reward, "invalid": gsm8k_invalid},
         training_args,
         num_rounds=script_args.num_rounds,
+        replay_rounds=script_args.replay_rounds,
         reward_weights=[1.0, 0.0],  # `invalid` is a column, not part of the reward (invalid outputs score -1 anyway)
         eval_prompts=few_shot_prompts(test_problems, shots),
         correct_func=gsm8k_reward,

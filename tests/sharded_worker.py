@@ -73,7 +73,7 @@ def main(engine: str, tests_dir: str, model_path: str, other_model_path: str, da
                                  "answer": [str(i + 3) for i in range(6)]})
     loop_args = make_args(output / "loop", max_steps=-1, per_device_train_batch_size=2)
     result["rounds"] = run_topr_loop(
-        model_path, prompts, correct, loop_args, num_rounds=1, peft_config=peft_config,
+        model_path, prompts, correct, loop_args, num_rounds=2, peft_config=peft_config, replay_rounds=1,
         eval_prompts=prompts.select(range(5)),  # an odd number: uneven shares on 2 processes
         correct_func=correct, answer_func=lambda text: text.split()[-1] if text.split() else None,
         sampling=SamplingSettings(num_samples=2, max_new_tokens=6), progress=False,

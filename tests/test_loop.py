@@ -191,3 +191,44 @@ def test_loop_keyword_dicts_are_deprecated_and_still_work(tiny_model_path, tmp_p
     with pytest.warns(FutureWarning), pytest.raises(ValueError, match="temprature"):
         run_topr_loop(tiny_model_path, prompts(2), correct, make_args(tmp_path / "typo"),
                       sampling_kwargs={"temprature": 0.5})
+
+
+def test_loop_replays_earlier_rounds_with_the_behavior_logps_recorded_when_sampled(tiny_model_path, tmp_path):
+    # replay_rounds=2: round r trains on its rows and those of rounds r-1 and r-2, read from their train.jsonl with
+    # the mu of their own round. Run for 2 rounds, then resumed for a third after round 1's weights were deleted.
+    from trl_topr.behavior import behavior_logps
+
+    args = make_args(tmp_path / "replay", per_device_train_batch_size=4, max_steps=-1, logging_steps=1,
+                     learning_rate=1e-2)  # fmt: skip
+    options = dict(sampling=SamplingSettings(num_samples=2, max_new_tokens=6), progress=False, replay_rounds=2)
+    rounds = run_topr_loop(tiny_model_path, prompts(3), correct, args, num_rounds=2, **options)
+    folder = tmp_path / "replay"
+    (folder / "round-1" / "model.safetensors").unlink()  # replay reads rows, never an old round's weights
+    rounds = run_topr_loop(tiny_model_path, prompts(3), correct, args, num_rounds=3, **options)
+    assert [r["round"] for r in rounds] == [0, 1, 2, 3]
+    assert "age_1/rows" not in rounds[1] and rounds[1]["age_0/rows"] == 6
+    assert rounds[2]["age_0/rows"] == rounds[2]["age_1/rows"] == 6 and "age_2/rows" not in rounds[2]
+    assert rounds[3]["age_0/rows"] == rounds[3]["age_1/rows"] == rounds[3]["age_2/rows"] == 6
+    assert rounds[3]["num_train_rows"] == 18
+    steps = [h for h in json.loads((folder / "round-3" / "trainer_state.json").read_text())["log_history"] if "loss" in h]
+    assert len(steps) == 5  # 18 rows, batch 4: the round trained on the replayed rows too
+    # Own rows on arrival have ratio 1; round 1's rows, under round 3's starting policy (round 2's model), are off by
+    # exactly log pi_round2 - log mu_round1, with mu as recorded in round 1's samples
+    assert abs(rounds[3]["age_0/log_ratio_mean"]) < 1e-4
+    old = [json.loads(line) for line in (folder / "round-1" / "samples.jsonl").read_text().splitlines()]
+    saved = [json.loads(line) for line in (folder / "round-1" / "train.jsonl").read_text().splitlines()]
+    assert [r["behavior_logps"] for r in saved] == [r["behavior_logps"] for r in old] and all(
+        r["sample_round"] == 1 for r in saved)
+    model = AutoModelForCausalLM.from_pretrained(folder / "round-2")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    pi = behavior_logps(model, [{"input_ids": r["prompt_ids"] + r["completion_ids"],
+                                 "labels": [-100] * len(r["prompt_ids"]) + r["completion_ids"]} for r in old],
+                        pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    expected = [sum(p) - sum(r["behavior_logps"]) for p, r in zip(pi, old)]
+    assert abs(rounds[3]["age_2/log_ratio_mean"] - sum(expected) / len(expected)) < 1e-3
+    assert abs(rounds[3]["age_2/log_ratio_mean"]) > 1e-2  # the policy moved: these rows are off-policy
+    assert rounds[3]["age_2/log_ratio_min"] <= rounds[3]["age_2/log_ratio_mean"]
+    shares = [rounds[3][f"age_{k}/weight_share"] for k in range(3)]
+    assert abs(sum(shares) - 1) < 1e-6 and all(0 <= s <= 1 for s in shares)
+    with pytest.raises(ValueError, match="replay_rounds"):
+        run_topr_loop(tiny_model_path, prompts(3), correct, args, replay_rounds=-1)

@@ -117,8 +117,11 @@ def check_common(result, single, folder):
         assert abs(result["evaluate"][name]) < 1e-4, (name, result["evaluate"])
     assert result["losses"] and all(loss == loss for loss in result["losses"])
     rounds = result["rounds"]
-    assert [r["round"] for r in rounds] == [0, 1]
+    assert [r["round"] for r in rounds] == [0, 1, 2]
     assert rounds[1]["num_samples"] == 12  # 6 prompts x 2 samples: none dropped or duplicated by the padding
+    # replay: round 2 trained on its rows and round 1's, whose log-ratios under the moved policy are not 0
+    assert rounds[2]["num_train_rows"] == 24 and rounds[2]["age_0/rows"] == rounds[2]["age_1/rows"] == 12
+    assert abs(rounds[2]["age_0/log_ratio_mean"]) < 1e-4 < abs(rounds[2]["age_1/log_ratio_mean"])
     for r in rounds:  # 5 evaluation prompts over 2 processes: every one counted once
         assert 0.0 <= r["pass@1"] <= 1.0 and "invalid_rate" in r
     assert len((folder / "out" / "loop" / "round-1" / "samples.jsonl").read_text().splitlines()) == 12

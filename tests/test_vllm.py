@@ -149,6 +149,9 @@ def check_round_two_sampled_from_round_one(output_dir, start: str, tokenizer):
     rounds = [json.loads(line) for line in open(output_dir / "metrics.jsonl")]
     assert [r["round"] for r in rounds] == [0, 1, 2]
     assert rounds[2]["behavior_logps_mismatch_max"] < MU_TOLERANCE
+    # replay: round 2 also trained on round 1's rows, with the mu recorded in round 1 (off by the round's update)
+    assert rounds[2]["age_0/rows"] == rounds[2]["age_1/rows"] == rounds[1]["num_train_rows"]
+    assert abs(rounds[2]["age_0/log_ratio_mean"]) < MU_TOLERANCE < abs(rounds[2]["age_1/log_ratio_mean"])
     print("\n" + "\n".join(f"round {r['round']}: mismatch per sequence mean {r['behavior_logps_mismatch_mean']:.1e}, "
                            f"max {r['behavior_logps_mismatch_max']:.1e}" for r in rounds[1:]))  # docs/sampling.md
     # The engine's log-probs of round 2's samples match round 1's model, not the initial one
@@ -168,7 +171,7 @@ def loop_args(output_dir, **kwargs) -> TOPRConfig:
     return args_for(output_dir, max_steps=-1, learning_rate=1e-4, per_device_train_batch_size=4, **kwargs)
 
 
-LOOP = dict(num_rounds=2, correct_func=gsm8k_reward, answer_func=extract_final_answer,
+LOOP = dict(num_rounds=2, replay_rounds=1, correct_func=gsm8k_reward, answer_func=extract_final_answer,
             sampling=SamplingSettings(num_samples=4, max_new_tokens=24, batch_size=8),
             eval_sampling=SamplingSettings(num_samples=2, max_new_tokens=24, seed=0), progress=False)  # fmt: skip
 

@@ -27,6 +27,7 @@ from .data import REWARD
 from .distributed import check_saves_whole_weights, unsharded_loading
 from .evaluation import evaluate_with_engine
 from .generation import GenerationEngine, SamplingSettings, generation_engine
+from .replay import SAMPLE_ROUND, TRAIN_ROWS_FILE, metrics_by_age, with_replayed_rows
 from .sampling import RewardFuncs, behavior_logps_mismatch, sample_with_engine
 from .trainer import TOPRTrainer
 
@@ -117,6 +118,7 @@ def run_topr_loop(
     eval_sampling: SamplingSettings | None = None,
     progress: bool = True,
     engine: GenerationEngine | None = None,
+    replay_rounds: int = 0,
     sampling_kwargs: dict[str, Any] | None = None,
     eval_kwargs: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
@@ -125,7 +127,8 @@ def run_topr_loop(
     trains one epoch of TOPR on the result, evaluates and saves.
 
     Everything goes to `args.output_dir`: `round-<r>/` holds the model after round r, its sampled dataset
-    (`samples.jsonl`) and its training logs (`trainer_state.json`), `metrics.jsonl` one line per completed round (round
+    (`samples.jsonl`), the rows it sampled and trained on (`train.jsonl`: curated, with their behavior log-probs) and
+    its training logs (`trainer_state.json`), `metrics.jsonl` one line per completed round (round
     0 evaluates the initial model) and `metrics.png` their plot. A round counts as completed once its line is written
     (the file is replaced whole, so a kill never leaves half a line): started again, the loop resumes after the last
     completed round, redoing an interrupted one from its start. Under `accelerate launch`, every process runs the loop:
@@ -175,6 +178,12 @@ def run_topr_loop(
             Generate with this engine (e.g. one the caller also uses before or after the loop): the loop gives it
             each round's weights and leaves it open. By default the loop builds the engine `args` asks for
             ([`~trl_topr.generation.generation_engine`]) when it first needs one, and closes it at the end.
+        replay_rounds (`int`, *optional*, defaults to `0`):
+            Off-policy replay: round r trains on its own rows plus the training rows of the `replay_rounds` rounds
+            before it, read back from their `train.jsonl` with the behavior log-probs recorded when they were sampled
+            (mu: the policy of their own round; never sampled or scored again). Curation applies to each round's new
+            samples only. With replay, each round also reports metrics by sample age at the start of its training
+            (`age_<k>/...`, see [`~trl_topr.replay.metrics_by_age`]).
         sampling_kwargs (`dict[str, Any]`, *optional*):
             Deprecated: use `sampling`.
         eval_kwargs (`dict[str, Any]`, *optional*):
@@ -185,6 +194,8 @@ def run_topr_loop(
     """
     if eval_prompts is not None and (correct_func is None or answer_func is None):
         raise ValueError("Evaluating `eval_prompts` needs `correct_func` and `answer_func`.")
+    if replay_rounds < 0:
+        raise ValueError(f"`replay_rounds` must be >= 0, got {replay_rounds}.")
     sampling, eval_sampling, progress = _settings(sampling, eval_sampling, progress, sampling_kwargs, eval_kwargs)
     processing_class = processing_class or AutoTokenizer.from_pretrained(model)
     models = _RoundModels(model, args, processing_class, peft_config, quantization_config)
@@ -216,12 +227,15 @@ def run_topr_loop(
                                          sampling.replace(seed=args.seed + round_index), args,
                                          reward_weights=reward_weights, progress=progress)  # fmt: skip
             log.save_samples(samples, round_dir)
-            train_data = curate(samples) if curate is not None else samples
+            own = curate(samples) if curate is not None else samples
+            own = log.save_train_rows(own.add_column(SAMPLE_ROUND, [round_index] * len(own)), round_dir)
+            train_data = with_replayed_rows(own, log.output_dir, round_index, replay_rounds)
             trainer = _round_trainer(policy, train_data, args, round_dir, processing_class, peft_config)
+            ages = _ages(policy, train_data, round_index, args, trainer, sampling) if replay_rounds else {}
             train_loss = trainer.train().training_loss
             log.save_trainer_state(trainer, round_dir)
             models.save(trainer, previous, round_dir)
-            log.record({"round": round_index, **_round_metrics(samples, train_data, trainer, train_loss),
+            log.record({"round": round_index, **_round_metrics(samples, train_data, trainer, train_loss), **ages,
                         **evaluate(str(round_dir), trainer.model, getattr(trainer, "deepspeed", None))})  # fmt: skip
             engine.release_weights()
             del trainer, policy
@@ -300,6 +314,13 @@ def _round_trainer(policy, train_data: Dataset, args: TOPRConfig, round_dir: Pat
     return trainer
 
 
+def _ages(policy, train_data: Dataset, round_index: int, args: TOPRConfig, trainer, sampling: SamplingSettings):
+    # The metrics by sample age, with the round's starting policy, before its first update
+    tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+    return metrics_by_age(policy, train_data, round_index, args, trainer.baseline, tokenizer.pad_token_id,
+                          batch_size=sampling.batch_size)  # fmt: skip
+
+
 def _round_metrics(samples: Dataset, train_data: Dataset, trainer: TOPRTrainer, train_loss: float) -> dict[str, Any]:
     # What a round's line records besides the evaluation
     rewards = list(samples[REWARD])
@@ -333,6 +354,15 @@ class _RoundLog:
     def save_samples(self, samples: Dataset, round_dir: Path) -> None:
         if self.state.is_main_process:
             samples.to_json(str(round_dir / "samples.jsonl"))
+
+    def save_train_rows(self, rows: Dataset, round_dir: Path) -> Dataset:
+        # what later rounds replay: written as JSON lines and read back the same way, so that every round's rows
+        # have the types replayed rows have
+        if self.state.is_main_process:
+            rows.to_json(str(round_dir / TRAIN_ROWS_FILE))
+        self.state.wait_for_everyone()
+        lines = (round_dir / TRAIN_ROWS_FILE).read_text().splitlines()
+        return Dataset.from_list([json.loads(line) for line in lines if line.strip()])
 
     def save_trainer_state(self, trainer: TOPRTrainer, round_dir: Path) -> None:
         if self.state.is_main_process:  # the round's training logs (TOPR's metrics per step), as in a checkpoint
