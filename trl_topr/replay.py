@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 import torch
-from datasets import Dataset, concatenate_datasets
+from datasets import Dataset
 
 from .behavior import behavior_logps
 from .data import BEHAVIOR_LOGPS, COMPLETION_IDS, PROMPT_IDS, REWARD
@@ -43,8 +43,10 @@ def with_replayed_rows(rows: Dataset, output_dir: Path, round_index: int, replay
     earlier = []
     for previous in range(max(1, round_index - replay_rounds), round_index):
         lines = (output_dir / f"round-{previous}" / TRAIN_ROWS_FILE).read_text().splitlines()
-        earlier.append(Dataset.from_list([json.loads(line) for line in lines if line.strip()]).cast(rows.features))
-    return concatenate_datasets([rows, *earlier]) if earlier else rows
+        earlier += [json.loads(line) for line in lines if line.strip()]
+    # one table from all the rows, its types inferred from them all (a column that is empty in one round, e.g. a
+    # reward function that returned None for every sample, takes the others' type)
+    return Dataset.from_list(rows.to_list() + earlier) if earlier else rows
 
 
 def metrics_by_age(policy, rows: Dataset, round_index: int, args, baseline: float, pad_token_id: int,

@@ -1,0 +1,62 @@
+"""Replay of earlier rounds' rows, and the metrics by sample age, on hand-made rows whose recorded mu is known."""
+
+import json
+import math
+
+import pytest
+from conftest import make_args
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trl_topr.behavior import behavior_logps
+from trl_topr.replay import metrics_by_age, with_replayed_rows
+
+
+def rows_of(round_index, n, invalid):
+    return [{"prompt": f"q{i}", "reward": 1.0 if i % 2 else -1.0, "invalid": invalid, "sample_round": round_index,
+             "prompt_ids": [5, 6], "completion_ids": [7 + i, 8], "behavior_logps": [-1.0, -2.0]} for i in range(n)]
+
+
+def test_replayed_rows_follow_the_rounds_own_and_keep_their_types(tmp_path):
+    # round 3 with replay 2 reads rounds 1 and 2; a column empty (None) this round takes the earlier rounds' type
+    for round_index, invalid in ((1, 0.0), (2, 1.0)):
+        (tmp_path / f"round-{round_index}").mkdir()
+        Dataset.from_list(rows_of(round_index, 2, invalid)).to_json(str(tmp_path / f"round-{round_index}" / "train.jsonl"))
+    own = Dataset.from_list(rows_of(3, 3, None))
+    rows = with_replayed_rows(own, tmp_path, 3, 2)
+    assert rows["sample_round"] == [3, 3, 3, 1, 1, 2, 2]
+    assert rows["invalid"] == [None, None, None, 0.0, 0.0, 1.0, 1.0]
+    assert rows["behavior_logps"][-1] == [-1.0, -2.0]
+    assert with_replayed_rows(own, tmp_path, 3, 1)["sample_round"] == [3, 3, 3, 2, 2]
+    assert with_replayed_rows(own, tmp_path, 1, 2) is own  # no round before the first
+    with pytest.raises(FileNotFoundError):
+        with_replayed_rows(own, tmp_path, 5, 1)  # round 4 was never saved
+
+
+def test_metrics_by_age_measure_the_log_ratio_taper_and_weight_share(tiny_model_path, tmp_path):
+    # Age-1 rows whose recorded mu is the policy's log-probs shifted per row: a negative 2 nats more likely under mu
+    # (ratio e^-2, tapered), a negative 1 nat less likely (ratio e, weight clipped to 1, not tapered), a positive
+    # 3 nats more likely (ratio e^-3; positives keep weight 1). Age-0 rows carry the policy's own log-probs.
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    ids = [([5, 6, 7], [8, 9]), ([5, 6], [10, 11, 12]), ([7, 8], [13]), ([9], [14, 15]), ([5], [16])]
+    pi = behavior_logps(model, [{"input_ids": p + c, "labels": [-100] * len(p) + c} for p, c in ids],
+                        pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    shifts, rewards, rounds = [0.0, 0.0, 2.0, -1.0, 3.0], [-1.0, 1.0, -1.0, -1.0, 1.0], [4, 4, 3, 3, 3]
+    rows = Dataset.from_list([
+        {"prompt_ids": p, "completion_ids": c, "reward": r, "sample_round": k,
+         "behavior_logps": [v + shift / len(values) for v in values]}
+        for (p, c), values, shift, r, k in zip(ids, pi, shifts, rewards, rounds)
+    ])  # fmt: skip
+    metrics = metrics_by_age(model, rows, 4, make_args(tmp_path), baseline=0.0, pad_token_id=tokenizer.pad_token_id)
+    assert metrics["age_0/rows"] == 2 and metrics["age_1/rows"] == 3
+    assert abs(metrics["age_0/log_ratio_mean"]) < 1e-5 and metrics["age_0/negative_tapered_fraction"] == 0.0
+    assert metrics["age_1/log_ratio_mean"] == pytest.approx((-2 + 1 - 3) / 3, abs=1e-4)
+    assert metrics["age_1/log_ratio_min"] == pytest.approx(-3, abs=1e-4)
+    assert metrics["age_1/ratio_mean"] == pytest.approx((math.exp(-2) + math.e + math.exp(-3)) / 3, rel=1e-4)
+    assert metrics["age_1/negative_tapered_fraction"] == 0.5  # of its 2 negatives, the one at e^-2
+    # weight x |R - c|: age 0 has 1 + 1, age 1 has e^-2 + 1 + 1 (the positive keeps weight 1)
+    total = 2 + math.exp(-2) + 2
+    assert metrics["age_0/weight_share"] == pytest.approx(2 / total, rel=1e-4)
+    assert metrics["age_1/weight_share"] == pytest.approx((math.exp(-2) + 2) / total, rel=1e-4)
+    assert json.loads(json.dumps(metrics)) == metrics  # written to metrics.jsonl as is
