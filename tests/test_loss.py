@@ -118,6 +118,17 @@ def test_topr_literal_values():
     assert metrics["completion_length"].item() == pytest.approx(2.0)
 
 
+def test_tapered_negatives_are_counted_only_when_materially_below_one():
+    # Three negatives, one token each: on-policy float noise (log-ratio -4e-6, once counted as tapered), a ratio 0.5%
+    # under 1, and e^-0.1 (0.905): only the last is tapered.
+    logps = torch.zeros(3, 1, dtype=torch.float64)
+    behavior = torch.tensor([[4e-6], [-math.log(0.995)], [0.1]], dtype=torch.float64)
+    _, metrics = topr_loss(logps, torch.ones(3, 1, dtype=torch.bool), torch.full((3,), -1.0, dtype=torch.float64),
+                           behavior)  # fmt: skip
+    assert metrics["negative_tapered_fraction"].item() == pytest.approx(1 / 3)
+    assert metrics["negative_weight_mean"].item() < 1.0  # every one of them is below 1
+
+
 def test_sequence_sums_and_per_token_behavior_agree():
     for loss_type in LOSS_TYPES:
         summed = run(loss_type, "sequence", "sequence_length", per_token_behavior=False)

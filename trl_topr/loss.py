@@ -35,6 +35,9 @@ RATIO_BOUNDS = {
 # exp(20) ~ 4.9e8. Only untruncated windows (upper bound inf, e.g. `loss_type="is"`) ever reach this cap: it keeps their
 # weight, and so the loss, finite in float32 whatever the log-ratio.
 MAX_LOG_RATIO = 20.0
+# A negative counts as tapered when its weight is below this: its ratio 1% or more under 1, not float noise (an
+# on-policy sequence's log-ratio is off 0 by about 1e-6 from one forward to another, which `< 1` counted).
+TAPERED_BELOW = 0.99
 
 
 def resolve_ratio_bounds(
@@ -350,7 +353,7 @@ def _metrics(rewards, advantages, baseline, weights, log_ratio, mask, lengths, r
         "baseline": log_ratio.new_tensor(float(baseline)),
         "positive_weight_mean": _masked_mean(weights, positive_items),
         "negative_weight_mean": _masked_mean(weights, negative_items),
-        "negative_tapered_fraction": _masked_mean((weights < 1).to(mask.dtype), negative_items),
+        "negative_tapered_fraction": _masked_mean((weights < TAPERED_BELOW).to(mask.dtype), negative_items),
         "negative_weight_share": (push * negative).sum() / push.sum() if push.sum() > 0 else nan,
         "log_ratio_mean": valid_log_ratio.mean() if valid_log_ratio.numel() else nan,
         "log_ratio_min": valid_log_ratio.min() if valid_log_ratio.numel() else nan,

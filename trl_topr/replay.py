@@ -11,15 +11,12 @@ from datasets import Dataset
 
 from .behavior import behavior_logps
 from .data import BEHAVIOR_LOGPS, COMPLETION_IDS, PROMPT_IDS, REWARD
-from .loss import topr_weights
+from .loss import TAPERED_BELOW, topr_weights
 from .precision import training_autocast
 
 
 TRAIN_ROWS_FILE = "train.jsonl"
 SAMPLE_ROUND = "sample_round"
-# A negative counts as tapered when its weight clip(pi/mu, 0, 1) is below this: a ratio 1% under 1, not float noise
-# (an on-policy sequence's log-ratio is off 0 by about 1e-6 from one forward to another).
-TAPERED_BELOW = 0.99
 
 
 def with_replayed_rows(rows: Dataset, output_dir: Path, round_index: int, replay_rounds: int) -> Dataset:
