@@ -228,7 +228,8 @@ def run_topr_loop(
                                          reward_weights=reward_weights, progress=progress)  # fmt: skip
             log.save_samples(samples, round_dir)
             own = curate(samples) if curate is not None else samples
-            own = log.save_train_rows(own.add_column(SAMPLE_ROUND, [round_index] * len(own)), round_dir)
+            own = own.add_column(SAMPLE_ROUND, [round_index] * len(own))
+            log.save_train_rows(own, round_dir)
             train_data = with_replayed_rows(own, log.output_dir, round_index, replay_rounds)
             trainer = _round_trainer(policy, train_data, args, round_dir, processing_class, peft_config)
             ages = _ages(policy, train_data, round_index, args, trainer, sampling) if replay_rounds else {}
@@ -355,14 +356,9 @@ class _RoundLog:
         if self.state.is_main_process:
             samples.to_json(str(round_dir / "samples.jsonl"))
 
-    def save_train_rows(self, rows: Dataset, round_dir: Path) -> Dataset:
-        # what later rounds replay: written as JSON lines and read back the same way, so that every round's rows
-        # have the types replayed rows have
-        if self.state.is_main_process:
+    def save_train_rows(self, rows: Dataset, round_dir: Path) -> None:
+        if self.state.is_main_process:  # what later rounds replay
             rows.to_json(str(round_dir / TRAIN_ROWS_FILE))
-        self.state.wait_for_everyone()
-        lines = (round_dir / TRAIN_ROWS_FILE).read_text().splitlines()
-        return Dataset.from_list([json.loads(line) for line in lines if line.strip()])
 
     def save_trainer_state(self, trainer: TOPRTrainer, round_dir: Path) -> None:
         if self.state.is_main_process:  # the round's training logs (TOPR's metrics per step), as in a checkpoint

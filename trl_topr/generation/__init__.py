@@ -10,12 +10,10 @@ A new engine is a subclass of [`GenerationEngine`] in a module of this package, 
 """
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
-from trl.trainer.utils import create_model_from_path
 
-from ..distributed import unsharded_loading
 from .engine import GenerationEngine, Generations, end_of_sequence_ids, prompt_ids
 from .settings import SamplingSettings
-from .transformers_engine import TransformersEngine
+from .transformers_engine import TransformersEngine, load_whole_model
 from .vllm_engine import VLLMEngine
 
 
@@ -51,8 +49,7 @@ def generation_engine(
     ```
     """
     if isinstance(model, str):
-        with unsharded_loading():  # whole on every process (ZeRO-3's `zero.Init` would partition it)
-            model = create_model_from_path(model, **(args.model_init_kwargs or {}))
+        model = load_whole_model(model, args.model_init_kwargs)
     if args.use_vllm:
         return VLLMEngine.from_config(model, processing_class, args)
     return TransformersEngine(model, processing_class, bf16=args.bf16, model_init_kwargs=args.model_init_kwargs)

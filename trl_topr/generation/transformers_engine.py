@@ -43,6 +43,13 @@ def _cache_argument(model: PreTrainedModel) -> str:
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
+def load_whole_model(path: str, model_init_kwargs: dict | None = None) -> PreTrainedModel:
+    """A model loaded whole on this process, also under ZeRO-3 (whose `zero.Init` would partition it), for
+    generation outside a training engine."""
+    with unsharded_loading():
+        return create_model_from_path(path, **(model_init_kwargs or {}))
+
+
 class TransformersEngine(GenerationEngine):
     """
     Generation with the model's own `generate` (transformers), on each process's copy of the model.
@@ -75,8 +82,7 @@ class TransformersEngine(GenerationEngine):
         if model is None:
             if self.model is not None and os.path.abspath(folder) == os.path.abspath(self.folder):
                 return
-            with unsharded_loading():
-                model = create_model_from_path(folder, **self.model_init_kwargs)
+            model = load_whole_model(folder, self.model_init_kwargs)
         self.model, self.training_engine, self.folder = model, training_engine, folder
 
     def release_weights(self) -> None:
