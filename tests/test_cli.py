@@ -190,7 +190,7 @@ def test_embedded_defaults_only_without_a_dataset(tmp_path):
     assert training_args.per_device_train_batch_size == 2  # set by the config file: kept
     _, training_args, _, _ = train.parse_args(["--dataset_name", "data.jsonl", "--output_dir", str(tmp_path)])
     assert training_args.learning_rate == 1e-6  # no embedded defaults with the user's dataset: TOPRConfig's own
-    assert training_args.per_device_train_batch_size == 8 and training_args.num_train_epochs == 3
+    assert training_args.per_device_train_batch_size == 8 and training_args.num_train_epochs == 1  # TOPRConfig's
 
 
 def test_arithmetic_dataset():

@@ -232,3 +232,16 @@ def test_loop_replays_earlier_rounds_with_the_behavior_logps_recorded_when_sampl
     assert abs(sum(shares) - 1) < 1e-6 and all(0 <= s <= 1 for s in shares)
     with pytest.raises(ValueError, match="replay_rounds"):
         run_topr_loop(tiny_model_path, prompts(3), correct, args, replay_rounds=-1)
+
+
+def test_loop_trains_num_train_epochs_per_round(tiny_model_path, tmp_path):
+    # Each round trains `args.num_train_epochs` on its own data (TOPRConfig's default: the paper's one epoch)
+    args = make_args(tmp_path / "epochs", per_device_train_batch_size=4, max_steps=-1, logging_steps=1,
+                     num_train_epochs=2)  # fmt: skip
+    run_topr_loop(tiny_model_path, prompts(3), correct, args, num_rounds=1, progress=False,
+                  sampling=SamplingSettings(num_samples=2, max_new_tokens=6))  # fmt: skip
+    state = json.loads((tmp_path / "epochs" / "round-1" / "trainer_state.json").read_text())
+    assert state["global_step"] == 4 and state["epoch"] == 2  # 6 rows, batch 4: 2 steps an epoch
+    from trl_topr import TOPRConfig
+
+    assert TOPRConfig(output_dir=str(tmp_path / "default")).num_train_epochs == 1

@@ -203,6 +203,8 @@ class TOPRConfig(VLLMArguments, _ActivationCheckpointingName, SFTConfig):
     > These parameters have default values different from [`~trl.SFTConfig`]:
     > - `learning_rate`: Defaults to `1e-6` instead of `2e-5`, as TRL's other policy-gradient trainers (the paper
     >   used 5e-7 for Llama 3 8B with Adafactor).
+    > - `num_train_epochs`: Defaults to `1` instead of `3`: the paper trains one epoch on each generated dataset, and
+    >   [`run_topr_loop`] trains `num_train_epochs` on each round's data.
     > - `loss_type`: Defaults to `"topr"`, see above.
     > - `bf16`: Defaults to the hardware ([`~trl_topr.precision.has_native_bf16`]) instead of always `True`: on
     >   where the training device computes bf16 natively (GPUs from Ampere on, CPUs with AMX), off
@@ -215,6 +217,10 @@ class TOPRConfig(VLLMArguments, _ActivationCheckpointingName, SFTConfig):
     learning_rate: float = field(
         default=1e-6,
         metadata={"help": "The initial learning rate for AdamW."},
+    )
+    num_train_epochs: float = field(
+        default=1.0,
+        metadata={"help": "Epochs on the training data (in `run_topr_loop`: on each round's data). The paper's 1."},
     )
     bf16: bool | None = field(
         default=None,

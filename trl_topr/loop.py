@@ -1,4 +1,4 @@
-"""The paper's iterative TOPR: sample with the current model, score, curate, train one epoch, evaluate, save, repeat.
+"""The paper's iterative TOPR: sample with the current model, score, curate, train, evaluate, save, repeat.
 
 [`run_topr_loop`] reads as the paper's round; the helpers below it hold the rest: loading and saving each round's model
 (the LoRA merge, ZeRO-3's whole-weight loading), the round's trainer, and the metrics file. Generation goes through one
@@ -124,7 +124,7 @@ def run_topr_loop(
 ) -> list[dict[str, Any]]:
     """
     Iterative TOPR, as in the paper: each round samples with the current model (mu = that model), scores, curates,
-    trains one epoch of TOPR on the result, evaluates and saves.
+    trains on the result (`args.num_train_epochs`, the paper's one epoch by default), evaluates and saves.
 
     Everything goes to `args.output_dir`: `round-<r>/` holds the model after round r, its sampled dataset
     (`samples.jsonl`), the rows it sampled and trained on (`train.jsonl`: curated, with their behavior log-probs) and
@@ -143,8 +143,8 @@ def run_topr_loop(
         reward_funcs (`Callable`, `list[Callable]` or `dict[str, Callable]`):
             Reward functions with TRL GRPO's signature, see [`sample_completions`].
         args ([`TOPRConfig`]):
-            Training configuration of every round; `output_dir` is the loop's folder and each round trains one
-            epoch. With `use_vllm` (TRL's `vllm_*` options), vLLM samples and evaluates: started once, it reloads each
+            Training configuration of every round; `output_dir` is the loop's folder, and each round trains
+            `num_train_epochs` on its data (or `max_steps` steps, when set), with a fresh optimizer and schedule. With `use_vllm` (TRL's `vllm_*` options), vLLM samples and evaluates: started once, it reloads each
             round's saved folder in place, and its log-probs are compared with the trainer's
             (`behavior_logps_mismatch_*` metrics); see [`~trl_topr.config.VLLMArguments`].
         num_rounds (`int`, *optional*, defaults to `1`):
@@ -296,10 +296,9 @@ class _RoundModels:
 
 
 def _round_trainer(policy, train_data: Dataset, args: TOPRConfig, round_dir: Path, processing_class, peft_config):
-    # One epoch of TOPR on the round's data. The model is loaded here, and the loop's caller publishes the final
-    # model: not every round's trainer.
-    round_args = dataclasses.replace(args, output_dir=str(round_dir), num_train_epochs=1, max_steps=-1,
-                                     model_init_kwargs=None, push_to_hub=False)  # fmt: skip
+    # `args.num_train_epochs` (or `max_steps`) of TOPR on the round's data. The model is loaded here, and the loop's
+    # caller publishes the final model: not every round's trainer.
+    round_args = dataclasses.replace(args, output_dir=str(round_dir), model_init_kwargs=None, push_to_hub=False)
     if args.target_positive_fraction is not None and len(set(train_data[REWARD])) < 2:
         # no baseline changes a one-sided round's composition: train it with baseline 0, as the online trainer
         # does for such a batch, rather than stop the loop
@@ -310,8 +309,8 @@ def _round_trainer(policy, train_data: Dataset, args: TOPRConfig, round_dir: Pat
                           peft_config=peft_config)  # fmt: skip
     check_saves_whole_weights(trainer)  # the next round loads this round's saved model
     positives = sum(r - trainer.baseline >= 0 for r in train_data[REWARD]) / len(train_data)
-    logger.info(f"{round_dir.name}: training one epoch of TOPR on {len(train_data)} completions "
-                f"({positives:.0%} positive)")
+    logger.info(f"{round_dir.name}: training {args.num_train_epochs:g} epoch(s) of TOPR on {len(train_data)} "
+                f"completions ({positives:.0%} positive)")
     return trainer
 
 
