@@ -1,28 +1,36 @@
-"""Iterative training at equal sampling budgets, the paper's regime: sample with the current model, train one epoch,
-repeat. TOPR against positives-only (RFT/STaR), REINFORCE, TOPR with a target positive fraction (0.5, 0.8), TOPR on
-Anna Karenina-curated rounds, and TRL's GRPOTrainer online on the same prompts and reward.
+"""Iterative training at equal sampling budgets, the paper's regime: sample with the current model, train, repeat.
+TOPR against positives-only (RFT/STaR), REINFORCE, TOPR with a target positive fraction, TOPR on Anna Karenina-curated
+rounds and TRL's GRPOTrainer online on the same prompts and reward, each round on-policy; and, in the off-policy regime
+TOPR is made for, TOPR, TOPR with the paper's target positive fraction 0.2, positives-only, REINFORCE and truncated IS
+(TIS), each round replaying the samples of the rounds before it.
 
-    python benchmarks/iterative.py --scale fast            # tiny Llama, digit reversal: under 30 minutes on 2 CPU cores
-    python benchmarks/iterative.py --scale real            # SmolLM2-135M-Instruct, single-digit arithmetic: hours
+    python benchmarks/iterative.py --scale fast            # tiny Llama, digit reversal: about an hour on 2 CPU cores
+    python benchmarks/iterative.py --scale real            # SmolLM2-135M-Instruct, single-digit arithmetic: many hours
     python benchmarks/iterative.py --scale fast --quick    # smoke run (tests/test_benchmarks.py)
 
-Every run (method, learning rate, seed) is saved round by round under --work: run the command again to go on where it
-stopped (`--time_limit` stops cleanly after that many minutes). Every method first gets a small learning-rate sweep on
-one seed, scored on a validation split (sampled pass@1 after the last round), climbing the grid from its smallest rate
-and stopping at the first rate that scores below a smaller one; while the best is at an edge of the rates scored, the
-next rate past it is scored too (up to two beyond the grid); then each method's best rate runs the other seeds.
-The reported numbers are on a separate test split.
+Every finished run (method, learning rate, seed) is recorded in `runs/<method>.jsonl` of --out, committed with the
+results, and never trained again: run the command again, here or on another machine, to go on where it stopped
+(`--time_limit` stops cleanly after that many minutes; an unfinished run resumes from its last round under --work).
+Calls with different `--methods` can run side by side. Learning rates are chosen on a validation split (sampled
+pass@1 after the last round), averaged over the first `sweep_seeds` seeds. On-policy methods climb their grid from its
+smallest rate and stop at the first rate that scores below a smaller one; while the best is at an edge of the rates
+scored, the next rate past it is scored too (up to two beyond the grid). Replay arms start from the best rate of their
+on-policy counterpart and climb from there, down first. Each method's best rate then runs the other seeds. The reported
+numbers are on a separate test split.
 
 - Loop methods (`run_topr_loop`, one epoch per round, a fresh optimizer each round): each round samples
   `num_samples` completions of every training prompt with the current model (mu = that model), scores them +1 / -1,
-  trains one epoch, evaluates on the test split.
+  trains one epoch, evaluates on the test split. `+replay` arms (`replay_rounds`): each round trains on its own samples
+  plus those of the `replay` rounds before it, with the behavior log-probs recorded when they were sampled, so every
+  sample is trained `replay + 1` times while the policy moves away from it; they sample exactly as much.
 - GRPO (TRL's `GRPOTrainer`, online): the same prompts, `num_generations = num_samples`, the same completions per
-  optimizer step as the loop's batch; one pass over the prompts samples as many completions as one loop round and is
-  evaluated as one round.
+  optimizer step as the loop's batch; one pass over the prompts samples as many completions as one loop round. Each
+  round is a fresh trainer started from the previous round's model, as the loop's rounds (a fresh optimizer), and is
+  evaluated with the loop's generation engine. Its completions and their tokens are counted by its reward function.
 
 The x axis is what was sampled so far (completions and completion tokens), the same for every method. Writes
-`results.json`, `table.md`, `diagnosis.md`, `sweep.md` (every finished seed-0 run) and `iterative.png` to --out
-(default benchmarks/results/iterative-<scale>).
+`results.json`, `table.md`, `diagnosis.md`, `ages.md` (the replay arms' metrics by sample age), `sweep.md` (every
+rate scored, per seed) and `iterative.png` to --out (default benchmarks/results/iterative-<scale>).
 """
 
 import argparse
@@ -51,16 +59,27 @@ METHODS = {
     "reinforce": {"loss_type": "reinforce"},
     "topr_anna_karenina": {"loss_type": "topr"},  # and the rounds curated with `anna_karenina`
     "grpo": None,
+    # the off-policy regime: every round also trains on the samples of the `replay` rounds before it
+    "topr+replay": {"loss_type": "topr"},
+    "topr_peff0.2+replay": {"loss_type": "topr", "target_positive_fraction": 0.2},
+    "positives_only+replay": {"loss_type": "positives_only"},
+    "reinforce+replay": {"loss_type": "reinforce"},
+    "tis+replay": {"loss_type": "tis"},
 }
+REPLAY = "+replay"
+# a replay arm's rate search starts from the best rate of this on-policy method (default: its name without REPLAY);
+# on-policy TIS is REINFORCE (both weights are 1 at ratio 1)
+SEARCH_START = {"topr_peff0.2+replay": "topr_peff0.5", "tis+replay": "reinforce"}
 SCALES = {
     # prompts: training prompts sampled every round, val / test: held-out prompts, k: samples per held-out prompt
     "fast": {"prompts": 64, "num_samples": 8, "val": 64, "test": 128, "k": 4, "rounds": 8, "seeds": 3, "batch": 16,
-             "lrs": [3e-5, 1e-4, 3e-4, 1e-3], "max_new_tokens": 12, "bf16": False},
+             "lrs": [3e-5, 1e-4, 3e-4, 1e-3], "max_new_tokens": 12, "bf16": False, "replay": 3, "sweep_seeds": 2},
     "real": {"prompts": 48, "num_samples": 4, "val": 48, "test": 96, "k": 4, "rounds": 4, "seeds": 3, "batch": 8,
-             "lrs": [3e-6, 1e-5, 3e-5, 1e-4], "max_new_tokens": 48, "bf16": None},  # None: bf16 where the CPU has it natively
+             "lrs": [3e-6, 1e-5, 3e-5, 1e-4], "max_new_tokens": 48, "bf16": None,  # None: bf16 where the CPU has it natively
+             "replay": 2, "sweep_seeds": 2},
 }
 QUICK = {"prompts": 8, "num_samples": 4, "val": 4, "test": 4, "k": 1, "rounds": 2, "seeds": 2, "batch": 8,
-         "lrs": [3e-4]}
+         "lrs": [3e-4], "replay": 1, "sweep_seeds": 1}
 
 
 # ---------------------------------------------------------------------------------------------------------------- tasks
@@ -128,49 +147,75 @@ def run_loop(method: str, setting: dict, lr: float, seed: int, folder: Path, use
         curate=anna_karenina if method == "topr_anna_karenina" else None,
         sampling=SamplingSettings(num_samples=setting["num_samples"], **sampling(setting)),
         eval_sampling=SamplingSettings(num_samples=setting["k"], **sampling(setting, seed)), progress=False,
+        replay_rounds=setting["replay"] if method.endswith(REPLAY) else 0,
     )  # fmt: skip
+    delete_old_weights(folder, setting["rounds"])
+
+
+def delete_old_weights(folder: Path, rounds: int) -> None:
     for old in folder.glob("round-*/model*.safetensors"):
-        if old.parent.name != f"round-{setting['rounds']}":
+        if old.parent.name != f"round-{rounds}":
             old.unlink()
 
 
-def run_grpo(setting: dict, lr: float, seed: int, folder: Path) -> None:
-    """Go on with TRL's GRPOTrainer, one pass over the prompts (one loop round's worth of samples) at a time."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
+def run_grpo(setting: dict, lr: float, seed: int, folder: Path, use_vllm: bool) -> None:
+    """Go on with TRL's GRPOTrainer, one pass over the prompts (one loop round's worth of samples) a round. Each round
+    is a fresh trainer (a fresh optimizer, as the loop's rounds) started from the previous round's model, saved to
+    `round-<r>/` and evaluated with the generation engine the loop methods evaluate with."""
+    from transformers import AutoTokenizer, PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from trl_topr import evaluate_policy
+    from trl_topr import TOPRConfig
+    from trl_topr.evaluation import evaluate_with_engine
+    from trl_topr.generation import SamplingSettings, generation_engine
 
     steps_per_round = setting["prompts"] * setting["num_samples"] // setting["batch"]
     metrics_file = folder / "metrics.jsonl"
     evaluated = len(metrics_file.read_text().splitlines()) if metrics_file.exists() else 0  # rounds 0, 1, ...
+    tokenizer = AutoTokenizer.from_pretrained(setting["model"])
+    engine_args = TOPRConfig(**training_args(setting, folder, lr, seed, use_vllm=use_vllm))
+    engine = generation_engine(setting["model"], tokenizer, engine_args)
+    eval_sampling = SamplingSettings(num_samples=setting["k"], **sampling(setting, seed))
+    counted = {}  # what GRPO sampled this round, as its reward function saw it
 
-    def evaluate(model, tokenizer, round_index: int, extra: dict) -> None:
-        metrics = evaluate_policy(model, tokenizer, setting["test"], setting["reward"], setting["answer"],
-                                  num_samples=setting["k"], progress=False, **sampling(setting, seed))  # fmt: skip
+    def reward(prompts, completions, completion_ids, **kwargs) -> list[float]:
+        counted["num_samples"] = counted.get("num_samples", 0) + len(completions)
+        counted["num_tokens"] = counted.get("num_tokens", 0) + sum(len(ids) for ids in completion_ids)
+        return setting["reward"](prompts, completions, completion_ids=completion_ids, **kwargs)
+
+    reward.__name__ = setting["reward"].__name__
+
+    def evaluate(model_folder: str, round_index: int, extra: dict, model=None) -> None:
+        engine.load_weights(model_folder, model=model)
+        metrics = evaluate_with_engine(engine, tokenizer, setting["test"], setting["reward"], setting["answer"],
+                                       eval_sampling, progress=False)  # fmt: skip
         with open(metrics_file, "a") as f:
             f.write(json.dumps({"round": round_index, **extra, **metrics}) + "\n")
 
     folder.mkdir(parents=True, exist_ok=True)
-    if not evaluated:  # round 0: the starting model
-        start = setting["model"]
-        evaluate(AutoModelForCausalLM.from_pretrained(start), AutoTokenizer.from_pretrained(start), 0, {})
-        evaluated = 1
-    for round_index in range(evaluated, setting["rounds"] + 1):
-        args = GRPOConfig(**training_args(
-            setting, folder, lr, seed, max_steps=round_index * steps_per_round, save_strategy="steps",
-            save_steps=steps_per_round, save_total_limit=1, num_generations=setting["num_samples"],
-            max_completion_length=setting["max_new_tokens"], temperature=1.0, top_k=0, beta=0.0,
-        ))  # fmt: skip
-        trainer = GRPOTrainer(setting["model"], reward_funcs=setting["reward"], args=args,
-                              train_dataset=setting["train"])  # fmt: skip
-        trainer.remove_callback(PrinterCallback)
-        trainer.train(resume_from_checkpoint=round_index > 1)
-        logs = [h for h in trainer.state.log_history if "reward" in h][-steps_per_round:]
-        samples = steps_per_round * setting["batch"]
-        extra = {"reward": statistics.fmean(h["reward"] for h in logs), "num_samples": samples,
-                 "num_tokens": samples * statistics.fmean(h["completions/mean_length"] for h in logs)}  # fmt: skip
-        evaluate(trainer.model, trainer.processing_class, round_index, extra)
+    try:
+        if not evaluated:  # round 0: the starting model
+            evaluate(setting["model"], 0, {})
+            evaluated = 1
+        for round_index in range(evaluated, setting["rounds"] + 1):
+            previous = setting["model"] if round_index == 1 else str(folder / f"round-{round_index - 1}")
+            args = GRPOConfig(**training_args(
+                setting, folder / f"round-{round_index}", lr, seed + round_index, max_steps=steps_per_round,
+                num_generations=setting["num_samples"], max_completion_length=setting["max_new_tokens"],
+                temperature=1.0, top_k=0, beta=0.0,
+            ))  # fmt: skip
+            trainer = GRPOTrainer(previous, reward_funcs=reward, args=args, train_dataset=setting["train"])
+            trainer.remove_callback(PrinterCallback)
+            counted.clear()
+            trainer.train()
+            trainer.save_model(args.output_dir)
+            logs = [h for h in trainer.state.log_history if "reward" in h]
+            extra = {"reward": statistics.fmean(h["reward"] for h in logs), **counted}
+            evaluate(args.output_dir, round_index, extra, model=trainer.model)
+            engine.release_weights()
+    finally:
+        engine.close()
+    delete_old_weights(folder, setting["rounds"])
 
 
 def read_run(method: str, folder: Path) -> list[dict]:
@@ -236,20 +281,43 @@ def summarize(results: dict) -> tuple[str, str]:
     return "\n".join(table) + note, "\n".join(diagnosis)
 
 
-def sweep_table(work: Path, methods: list[str], rounds: int) -> str:
-    """Markdown: every finished seed-0 run (the sweeps, complete or not): held-out greedy pass@1 per round, the final
-    sampled pass@1 and invalid rate, and the validation score that picks the rate."""
-    header = ["method", "lr", *[f"greedy r{r}" for r in range(rounds + 1)], "sampled", "invalid", "validation"]
+def sweep_table(ledger: "Ledger", sweep_seeds: int) -> str:
+    """Markdown: every rate scored by a sweep (the sweep seeds' runs, complete or not): the mean validation score that
+    picks the rate, each seed's, and the final held-out greedy and sampled pass@1 (mean ± standard deviation over
+    the seeds)."""
+    header = ["method", "lr", "seeds", "validation", "validation by seed", "greedy (test)", "sampled (test)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for method in methods:
-        done = {float(d.parent.parent.name[2:]): d for d in (work / method).glob("lr*/seed0/done")}
-        for lr in sorted(done):
-            run = read_run(method, done[lr].parent)
-            validation = json.loads(done[lr].read_text())["pass@1"]
-            cells = [method, f"{lr:g}", *[f"{r['pass@1_greedy']:.3f}" for r in run],
-                     f"{run[-1]['pass@1']:.3f}", f"{run[-1]['invalid_rate']:.3f}", f"{validation:.3f}"]  # fmt: skip
+    for method in METHODS:
+        for lr in ledger.rates(method):
+            entries = [e for seed in range(sweep_seeds) if (e := ledger.get(method, lr, seed)) is not None]
+            if not entries:
+                continue
+            validation = [e["validation"]["pass@1"] for e in entries]
+            cells = [method, f"{lr:g}", str(len(entries)), mean_std(validation),
+                     " / ".join(f"{v:.3f}" for v in validation),
+                     mean_std([e["rounds"][-1]["pass@1_greedy"] for e in entries]),
+                     mean_std([e["rounds"][-1]["pass@1"] for e in entries])]  # fmt: skip
             lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n\nSeed 0, test split; validation: sampled pass@1 on the validation split."
+    return "\n".join(lines) + (f"\n\nSeeds 0-{sweep_seeds - 1}; validation: sampled pass@1 on the validation split "
+                               "after the last round; test: after the last round.")  # fmt: skip
+
+
+def ages_table(results: dict) -> str:
+    """Markdown: the replay arms' metrics by sample age at the start of each round (mean over seeds): rows, mean and
+    min log-ratio log pi - log mu, mean ratio before truncation, fraction of negatives tapered below 0.99, and the
+    age's share of the weight x |R - c|."""
+    keys = ["rows", "log_ratio_mean", "log_ratio_min", "ratio_mean", "negative_tapered_fraction", "weight_share"]
+    header = ["method", "round", "age", *[k.replace("_", " ") for k in keys]]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for method, entry in results["methods"].items():
+        runs = [run for run in entry["runs"] if len(run) == results["settings"]["rounds"] + 1]
+        for r in range(1, results["settings"]["rounds"] + 1):
+            for age in range(entry["replay_rounds"] + 1 if entry["replay_rounds"] and runs else 0):
+                if f"age_{age}/rows" not in runs[0][r]:
+                    continue
+                cells = [mean_std([run[r].get(f"age_{age}/{k}", float("nan")) for run in runs]) for k in keys]
+                lines.append("| " + " | ".join([method, str(r), str(age), *cells]) + " |")
+    return "\n".join(lines) + "\n\nMean ± standard deviation over seeds; age k: sampled k rounds before."
 
 
 def plot(results: dict, path: Path) -> None:
@@ -260,13 +328,15 @@ def plot(results: dict, path: Path) -> None:
 
     panels = [("pass@1_greedy", "held-out greedy pass@1"), ("pass@1", "held-out sampled pass@1"),
               ("invalid_rate", "held-out invalid rate (samples)")]  # fmt: skip
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
     for method, entry in results["methods"].items():
         runs = [run for run in entry["runs"] if len(run) == results["settings"]["rounds"] + 1]
         if not runs:
             continue
         x = [r["sampled_completions"] for r in runs[0]]
-        style = {"linewidth": 2.5, "color": "black"} if method == "topr" else {"linewidth": 1.2}
+        style = {"linewidth": 2.5, "color": "black"} if method.startswith("topr") and "_" not in method else {
+            "linewidth": 1.2}
+        style["linestyle"] = "--" if method.endswith(REPLAY) else "-"
         for ax, (key, title) in zip(axes, panels):
             values = [[run[r][key] for run in runs] for r in range(len(x))]
             means = [statistics.fmean(v) for v in values]
@@ -281,18 +351,45 @@ def plot(results: dict, path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------- main
+class Ledger:
+    """The finished runs, one JSON line each in `runs/<method>.jsonl` of the results folder: the method, rate and seed,
+    the validation scores, the seconds it took and its rounds (`read_run`). Committed with the results, so a run
+    finished anywhere is never trained again, and calls with different methods write different files."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder / "runs"
+        self.runs = {}
+        for path in sorted(self.folder.glob("*.jsonl")):
+            for line in path.read_text().splitlines():
+                entry = json.loads(line)
+                self.runs[entry["method"], f"{entry['lr']:g}", entry["seed"]] = entry
+
+    def get(self, method: str, lr: float, seed: int) -> dict | None:
+        return self.runs.get((method, f"{lr:g}", seed))
+
+    def add(self, entry: dict) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with open(self.folder / f"{entry['method']}.jsonl", "a") as f:
+            f.write(json.dumps(entry) + "\n")
+        self.runs[entry["method"], f"{entry['lr']:g}", entry["seed"]] = entry
+
+    def rates(self, method: str) -> list[float]:
+        return sorted({entry["lr"] for (m, _, _), entry in self.runs.items() if m == method})
+
+
 def main(argv=None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", choices=list(SCALES), default="fast")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, 2 rounds")
-    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
-    parser.add_argument("--work", help="runs, resumable (default: outputs/iterative-<scale>[-quick])")
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS),
+                        help="the methods to train (the report covers every method of the results folder)")
+    parser.add_argument("--work", help="unfinished runs, resumable (default: outputs/iterative-<scale>[-quick])")
     parser.add_argument("--out", help="results (default: benchmarks/results/iterative-<scale>, "
                                       "outputs/iterative-<scale>-results-quick with --quick)")
     parser.add_argument("--time_limit", type=float, help="minutes: stop after the run that crosses it")
     parser.add_argument("--report_only", action="store_true", help="write the finished runs' results, train nothing")
     parser.add_argument("--use_vllm", action=argparse.BooleanOptionalAction, default=None,
-                        help="sample the loop methods with vLLM (default: at the real scale, where vLLM is installed)")
+                        help="sample and evaluate with vLLM (default: at the real scale, where vLLM is installed)")
     args = parser.parse_args(argv)
     suffix = f"{args.scale}{'-quick' if args.quick else ''}"
     work = Path(args.work or ROOT / "outputs" / f"iterative-{suffix}")
@@ -307,53 +404,63 @@ def main(argv=None) -> str:
 
     t0 = time.perf_counter()
     setting = setup(args.scale, work, args.quick)
-    results = {"methods": {}}
+    ledger = Ledger(out)
     ran = []  # the runs this call trained (the time limit stops after at least one)
 
-    def run(method: str, lr: float, seed: int) -> list[dict]:
-        folder = work / method / f"lr{lr:g}" / f"seed{seed}"
-        if not (folder / "done").exists():
+    def run(method: str, lr: float, seed: int) -> dict:
+        if (entry := ledger.get(method, lr, seed)) is None:
+            folder = work / method / f"lr{lr:g}" / f"seed{seed}"
             started = time.perf_counter()
             if method == "grpo":
-                run_grpo(setting, lr, seed, folder)
+                run_grpo(setting, lr, seed, folder, args.use_vllm)
             else:
                 run_loop(method, setting, lr, seed, folder, args.use_vllm)
             ran.append(folder)
-            scores = validate(setting, method, folder, seed)  # the run's seconds: its cost, whatever the pieces
-            (folder / "done").write_text(json.dumps({**scores, "seconds": round(time.perf_counter() - started)}))
-            greedy = " ".join(f"{r['pass@1_greedy']:.3f}" for r in read_run(method, folder))
+            entry = {"method": method, "lr": lr, "seed": seed, "validation": validate(setting, method, folder, seed),
+                     "seconds": round(time.perf_counter() - started), "rounds": read_run(method, folder)}  # fmt: skip
+            ledger.add(entry)
+            greedy = " ".join(f"{r['pass@1_greedy']:.3f}" for r in entry["rounds"])
             elapsed = time.perf_counter() - t0
             print(f"{method} lr {lr:g} seed {seed}: greedy {greedy} ({elapsed:.0f} s)", file=sys.stderr, flush=True)
-        return read_run(method, folder)
+        return entry
 
-    def available(method: str, lr: float, seed: int) -> bool:  # done, or time (and leave) to run it
-        if (work / method / f"lr{lr:g}" / f"seed{seed}" / "done").exists():
+    def available(method: str, lr: float, seed: int) -> bool:  # finished, or to train now (time left, not report only)
+        if ledger.get(method, lr, seed) is not None:
             return True
-        if args.report_only:
+        if args.report_only or method not in args.methods:
             return False
         return args.time_limit is None or not ran or time.perf_counter() - t0 <= 60 * args.time_limit
 
-    def score(method: str, lr: float) -> float | None:  # the seed-0 run's validation score; None: no time to run it
-        if not available(method, lr, 0):
-            return None
-        run(method, lr, 0)
-        return json.loads((work / method / f"lr{lr:g}" / "seed0" / "done").read_text())["pass@1"]
+    sweep_seeds = range(setting["sweep_seeds"])
+    steps = 3 if len(setting["lrs"]) > 1 else 0  # the replay arms' climb: none with one rate (--quick)
 
-    # First every method's sweep on seed 0, then the other seeds at each method's best rate: a run stopped halfway
-    # already compares every method on one seed.
-    sweeps = {}
-    for method in args.methods:
-        done = lambda lr: (work / method / f"lr{lr:g}" / "seed0" / "done").exists()  # noqa: E731
-        sweeps[method] = climb(setting["lrs"], lambda lr: score(method, lr), done)
+    def score(method: str, lr: float) -> float | None:  # mean validation score of the sweep seeds; None: not run
+        if not all(available(method, lr, seed) for seed in sweep_seeds):
+            return None
+        return statistics.fmean(run(method, lr, seed)["validation"]["pass@1"] for seed in sweep_seeds)
+
+    def done(method: str):
+        return lambda lr: all(ledger.get(method, lr, seed) is not None for seed in sweep_seeds)
+
+    # First every method's sweep, then the other seeds at each method's best rate: a run stopped halfway already
+    # compares the methods swept. Replay arms start from their on-policy counterpart's best rate.
+    sweeps, results = {}, {"methods": {}}
+    for method in METHODS:
+        if method.endswith(REPLAY):
+            start = sweeps.get(SEARCH_START.get(method, method.removesuffix(REPLAY)))
+            sweeps[method] = start and climb_from(best_rate(start), lambda lr: score(method, lr), steps)
+        else:
+            sweeps[method] = climb(setting["lrs"], lambda lr: score(method, lr), done(method))
     for method, sweep in sweeps.items():
         if sweep is None:
             continue
         best = best_rate(sweep)
-        seeds = [seed for seed in range(setting["seeds"]) if available(method, best, seed)]
-        runs = [run(method, best, seed) for seed in seeds]
-        validation = [json.loads((work / method / f"lr{best:g}" / f"seed{seed}" / "done").read_text()) for seed in seeds]
-        results["methods"][method] = {"lr": best, "sweep": {f"{lr:g}": v for lr, v in sweep.items()}, "runs": runs,
-                                      "validation": [{k: v[k] for k in ("pass@1", "pass@1_greedy")} for v in validation]}
+        entries = [run(method, best, seed) for seed in range(setting["seeds"]) if available(method, best, seed)]
+        results["methods"][method] = {
+            "lr": best, "sweep": {f"{lr:g}": v for lr, v in sweep.items()}, "runs": [e["rounds"] for e in entries],
+            "validation": [e["validation"] for e in entries], "seconds": [e["seconds"] for e in entries],
+            "replay_rounds": setting["replay"] if method.endswith(REPLAY) else 0,
+        }  # fmt: skip
     finished = all(len(results["methods"].get(m, {"runs": []})["runs"]) == setting["seeds"] for m in args.methods)
 
     results["title"] = (f"{setting['description']}: {setting['prompts']} prompts x {setting['num_samples']} samples "
@@ -367,7 +474,8 @@ def main(argv=None) -> str:
         plot(results, out / "iterative.png")
     files = {"results.json": results, "table.md": f"{results['title']}\n\n{table}\n",
              "diagnosis.md": f"{results['title']}\n\n{diagnosis}\n",
-             "sweep.md": f"{results['title']}\n\n{sweep_table(work, args.methods, setting['rounds'])}\n"}
+             "ages.md": f"{results['title']}\n\n{ages_table(results)}\n",
+             "sweep.md": f"{results['title']}\n\n{sweep_table(ledger, setting['sweep_seeds'])}\n"}
     save(out, files, script=__file__, argv=argv, started=started, append=True)  # a record per call: it resumes
     status = "complete" if finished else "stopped at the time limit: run the same command again to go on"
     print(f"{results['title']}; {results['seconds_this_call']} s this call, {status}\n\n{table}\n\n{diagnosis}")
@@ -404,6 +512,26 @@ def climb(rates: list[float], score, done) -> dict | None:
     return scores
 
 
+def climb_from(start: float, score, steps: int = 3) -> dict | None:
+    """A learning-rate sweep from `start` along the 1-3-10 ladder: down while the score improves, then, unless a
+    smaller rate won, up while it improves; at most `steps` rates each way. Returns {rate: score}, or None when
+    `score` returns None (no time left to run that rate)."""
+    scores = {}
+    for up in (False, True):
+        rate, previous = start, None
+        for _ in range(steps + 1):
+            if rate not in scores:
+                if (value := score(rate)) is None:
+                    return None
+                scores[rate] = value
+            if previous is not None and scores[rate] <= previous:
+                break
+            previous, rate = scores[rate], beyond(rate, up)
+        if best_rate(scores) < start:
+            break
+    return scores
+
+
 def best_rate(scores: dict) -> float:
     return max(scores, key=lambda rate: (scores[rate], -rate))  # ties: the smaller rate
 
@@ -422,10 +550,7 @@ def validate(setting: dict, method: str, folder: Path, seed: int) -> dict:
 
     from trl_topr import evaluate_policy
 
-    if method == "grpo":
-        final = max(folder.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
-    else:
-        final = folder / f"round-{setting['rounds']}"
+    final = folder / f"round-{setting['rounds']}"
     metrics = evaluate_policy(AutoModelForCausalLM.from_pretrained(final), AutoTokenizer.from_pretrained(final),
                               setting["val"], setting["reward"], setting["answer"], num_samples=setting["k"],
                               progress=False, **sampling(setting, seed))  # fmt: skip

@@ -130,14 +130,15 @@ def test_provenance_command_records_a_command_its_log_and_kept_files(tmp_path):
 def test_iterative_benchmark_resumes_and_gives_every_method_the_same_budget(capsys, tmp_path):
     iterative = load("iterative")
     options = ["--scale", "fast", "--quick", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")]
-    iterative.main(options + ["--time_limit", "0"])  # stops after its first run, saved
+    ledger = tmp_path / "out" / "runs"
+    iterative.main(options + ["--time_limit", "0"])  # stops after its first run, recorded in the ledger
     assert "stopped at the time limit" in capsys.readouterr().out
-    first = tmp_path / "work" / "topr" / "lr0.0003" / "seed0"
-    assert (first / "done").exists() and not (tmp_path / "work" / "topr" / "lr0.0003" / "seed1").exists()
-    done_at = (first / "done").stat().st_mtime_ns
+    first = (ledger / "topr.jsonl").read_text()
+    assert [(e["lr"], e["seed"]) for e in map(json.loads, first.splitlines())] == [(3e-4, 0)]
+    assert not (tmp_path / "work" / "topr" / "lr0.0003" / "seed1").exists()
 
     table = iterative.main(options)  # goes on: the first run is not redone
-    assert table in capsys.readouterr().out and (first / "done").stat().st_mtime_ns == done_at
+    assert table in capsys.readouterr().out and (ledger / "topr.jsonl").read_text().startswith(first)
     header, _rule, *rows = table.split("\n\n")[0].splitlines()
     assert [row.split("|")[1].strip() for row in rows] == list(iterative.METHODS)
     results = json.loads((tmp_path / "out" / "results.json").read_text())
@@ -145,23 +146,36 @@ def test_iterative_benchmark_resumes_and_gives_every_method_the_same_budget(caps
     for method, entry in results["methods"].items():
         assert len(entry["runs"]) == len(entry["validation"]) == iterative.QUICK["seeds"]
         assert all(0.0 <= seed["pass@1"] <= 1.0 for seed in entry["validation"])  # every seed's validation score
+        assert all(seconds >= 0 for seconds in entry["seconds"])
         for run in entry["runs"]:
             assert [r["round"] for r in run] == list(range(iterative.QUICK["rounds"] + 1))
             budgets.add(tuple(r["sampled_completions"] for r in run))
             assert all(0.0 <= r["pass@1_greedy"] <= 1.0 for r in run)
             if method.startswith("topr"):  # the loop's training logs, per round
                 assert all(0.0 <= r["train/negative_weight_share"] <= 1.0 for r in run[1:])
-    assert budgets == {(0, 32, 64)}  # 8 prompts x 4 samples a round, for the loop and GRPO alike
+            # replay arms: round 2 trains on round 1's samples too, and reports them by age
+            replayed = method.endswith(iterative.REPLAY)
+            assert entry["replay_rounds"] == (iterative.QUICK["replay"] if replayed else 0)
+            assert ("age_1/rows" in run[2]) == replayed and ("age_1/rows" in run[1]) is False
+            if replayed:
+                assert run[2]["age_1/rows"] == run[1]["num_train_rows"] and run[2]["num_train_rows"] == 64
+    # 8 prompts x 4 samples a round, for the loop and GRPO alike (GRPO's counted by its reward function), with or
+    # without replay
+    assert budgets == {(0, 32, 64)}
     assert (tmp_path / "out" / "iterative.png").stat().st_size > 0
     assert "negative weight share" in (tmp_path / "out" / "diagnosis.md").read_text()
+    ages = (tmp_path / "out" / "ages.md").read_text().split("\n\n")[1].splitlines()[2:]
+    assert {(row.split("|")[1].strip(), row.split("|")[3].strip()) for row in ages} == {
+        (method, age) for method in iterative.METHODS if method.endswith(iterative.REPLAY) for age in "01"}
     sweep_rows = (tmp_path / "out" / "sweep.md").read_text().split("\n\n")[1].splitlines()[2:]
     assert [row.split("|")[1].strip() for row in sweep_rows] == list(iterative.METHODS)  # one rate each in --quick
-    assert json.loads((first / "done").read_text())["seconds"] >= 0
 
-    # --report_only: the finished runs' results again, nothing trained (a missing method is left out)
-    shutil.rmtree(tmp_path / "work" / "grpo")
+    # --report_only: the ledger's runs again, nothing trained (a method without a ledger is left out)
+    (ledger / "grpo.jsonl").unlink()
+    shutil.rmtree(tmp_path / "work")
     partial = iterative.main(options + ["--report_only"])
-    assert partial.split("\n\n")[0].splitlines()[2:] == table.split("\n\n")[0].splitlines()[2:-1]
+    assert [row for row in partial.split("\n\n")[0].splitlines()[2:]] == [
+        row for row in table.split("\n\n")[0].splitlines()[2:] if "| grpo |" not in row]
     assert not (tmp_path / "work" / "grpo").exists()
     # each call that wrote the results is recorded: the results accumulate over calls (and commits)
     runs = json.loads((tmp_path / "out" / "provenance.json").read_text())["runs"]
@@ -199,6 +213,24 @@ def test_iterative_sweep_climbs_the_grid_and_stops_past_the_peak():
     assert iterative.climb(grid, lambda rate: None if rate == 3e-5 else scores[rate], lambda rate: False) is None
     assert [iterative.beyond(rate, up) for rate, up in [(1e-5, False), (3e-6, False), (3e-5, True), (1e-3, True)]] \
         == [3e-6, 1e-6, 1e-4, 3e-3]
+
+
+def test_iterative_replay_sweep_climbs_from_the_on_policy_rate():
+    iterative = load("iterative")
+    peak = {1e-6: 0.3, 3e-6: 0.6, 1e-5: 0.5, 3e-5: 0.4, 1e-4: 0.1, 3e-4: 0.0}
+    trained = []
+
+    def score(rate):
+        trained.append(rate)
+        return peak[rate]
+
+    # from 3e-5 down while it improves, one rate past the peak; the top is not tried once a smaller rate won
+    assert iterative.climb_from(3e-5, score) == {3e-5: 0.4, 1e-5: 0.5, 3e-6: 0.6, 1e-6: 0.3}
+    assert trained == [3e-5, 1e-5, 3e-6, 1e-6]
+    rising = {rate: rate for rate in [1e-6, 3e-6, 1e-5, 3e-5, 1e-4, 3e-4]}  # down is worse: then up, at most 3 steps
+    assert iterative.climb_from(3e-6, rising.get) == {3e-6: 3e-6, 1e-6: 1e-6, 1e-5: 1e-5, 3e-5: 3e-5, 1e-4: 1e-4}
+    assert iterative.climb_from(1e-5, peak.get, steps=0) == {1e-5: 0.5}  # no sweep
+    assert iterative.climb_from(1e-5, lambda rate: None if rate == 3e-6 else peak[rate]) is None  # no time left
 
 
 def test_iterative_fast_results_follow_the_sweep():
