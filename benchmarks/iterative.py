@@ -15,8 +15,8 @@ Calls with different `--methods` can run side by side. Learning rates are chosen
 pass@1 after the last round), averaged over the first `sweep_seeds` seeds. On-policy methods climb their grid from its
 smallest rate and stop at the first rate that scores below a smaller one; while the best is at an edge of the rates
 scored, the next rate past it is scored too (up to two beyond the grid). Replay arms start from the best rate of their
-on-policy counterpart and climb from there, down first. Each method's best rate then runs the other seeds. The reported
-numbers are on a separate test split.
+on-policy counterpart and climb from there, down first while it improves, then up, at most `replay_steps` rates each
+way. Each method's best rate then runs the other seeds. The reported numbers are on a separate test split.
 
 - Loop methods (`run_topr_loop`, one epoch per round, a fresh optimizer each round): each round samples
   `num_samples` completions of every training prompt with the current model (mu = that model), scores them +1 / -1,
@@ -73,13 +73,14 @@ SEARCH_START = {"topr_peff0.2+replay": "topr_peff0.5", "tis+replay": "reinforce"
 SCALES = {
     # prompts: training prompts sampled every round, val / test: held-out prompts, k: samples per held-out prompt
     "fast": {"prompts": 64, "num_samples": 8, "val": 64, "test": 128, "k": 4, "rounds": 8, "seeds": 3, "batch": 16,
-             "lrs": [3e-5, 1e-4, 3e-4, 1e-3], "max_new_tokens": 12, "bf16": False, "replay": 3, "sweep_seeds": 2},
+             "lrs": [3e-5, 1e-4, 3e-4, 1e-3], "max_new_tokens": 12, "bf16": False, "replay": 3, "sweep_seeds": 2,
+             "replay_steps": 5},
     "real": {"prompts": 48, "num_samples": 4, "val": 48, "test": 96, "k": 4, "rounds": 4, "seeds": 3, "batch": 8,
              "lrs": [3e-6, 1e-5, 3e-5, 1e-4], "max_new_tokens": 48, "bf16": None,  # None: bf16 where the CPU has it natively
-             "replay": 2, "sweep_seeds": 2},
+             "replay": 2, "sweep_seeds": 2, "replay_steps": 2},
 }
 QUICK = {"prompts": 8, "num_samples": 4, "val": 4, "test": 4, "k": 1, "rounds": 2, "seeds": 2, "batch": 8,
-         "lrs": [3e-4], "replay": 1, "sweep_seeds": 1}
+         "lrs": [3e-4], "replay": 1, "sweep_seeds": 1, "replay_steps": 0}
 
 
 # ---------------------------------------------------------------------------------------------------------------- tasks
@@ -432,7 +433,6 @@ def main(argv=None) -> str:
         return args.time_limit is None or not ran or time.perf_counter() - t0 <= 60 * args.time_limit
 
     sweep_seeds = range(setting["sweep_seeds"])
-    steps = 3 if len(setting["lrs"]) > 1 else 0  # the replay arms' climb: none with one rate (--quick)
 
     def score(method: str, lr: float) -> float | None:  # mean validation score of the sweep seeds; None: not run
         if not all(available(method, lr, seed) for seed in sweep_seeds):
@@ -448,6 +448,7 @@ def main(argv=None) -> str:
     for method in METHODS:
         if method.endswith(REPLAY):
             start = sweeps.get(SEARCH_START.get(method, method.removesuffix(REPLAY)))
+            steps = setting["replay_steps"]
             sweeps[method] = start and climb_from(best_rate(start), lambda lr: score(method, lr), steps)
         else:
             sweeps[method] = climb(setting["lrs"], lambda lr: score(method, lr), done(method))

@@ -171,12 +171,75 @@ def iterative_diagnosis(folder: str, rounds: set[int] | None = None) -> str:
 
 
 def iterative_sweeps(folder: str) -> str:
-    """Each method's chosen rate and the validation score of every rate its seed-0 sweep ran."""
-    lines = ["| method | rate | validation sampled pass@1 by rate (seed 0) |", "|---|---|---|"]
-    for method, entry in load(folder)["methods"].items():
+    """Each method's chosen rate and the validation score of every rate its sweep ran (the mean over the sweep's
+    seeds)."""
+    results = load(folder)
+    seeds = results["settings"].get("sweep_seeds", 1)  # results before sweeps on several seeds: seed 0
+    label = "seed 0" if seeds == 1 else f"mean of seeds 0-{seeds - 1}"
+    lines = [f"| method | rate | validation sampled pass@1 by rate ({label}) |", "|---|---|---|"]
+    for method, entry in results["methods"].items():
         sweep = sorted((float(rate), score) for rate, score in entry["sweep"].items())
         lines.append(f"| {method} | {rate_text(entry['lr'])} | "
                      + " / ".join(f"{rate_text(rate)}: {score:.3f}" for rate, score in sweep) + " |")
+    return "\n".join(lines)
+
+
+def iterative_replay(folder: str) -> str:
+    """Each replay arm beside its on-policy counterpart (where the benchmark runs one), at the same sampled
+    completions and about the same tokens: test pass@1 after the last round (mean ± sd over seeds, then seed by
+    seed) and the difference of the means."""
+    iterative = benchmark("iterative")
+    methods = load(folder)["methods"]
+    lines = ["| method | sampled pass@1, on-policy | with replay | difference | seeds (on-policy; replay) "
+             "| greedy, on-policy | with replay | tokens sampled (on-policy / replay) |", "|---|---|---|---|---|---|---|---|"]
+    for arm in [m for m in methods if m.endswith(iterative.REPLAY)]:
+        base = arm.removesuffix(iterative.REPLAY)
+        off = [run[-1] for run in methods[arm]["runs"]]
+        on = [run[-1] for run in methods[base]["runs"]] if base in methods else []
+        cells = [[mean_sd([r[key] for r in runs]) if runs else "not run" for runs in (on, off)]
+                 for key in ("pass@1", "pass@1_greedy")]  # fmt: skip
+        difference = f"{mean(r['pass@1'] for r in off) - mean(r['pass@1'] for r in on):+.3f}" if on else "-"
+        seeds = "; ".join(" / ".join(f"{r['pass@1']:.3f}" for r in runs) for runs in (on, off) if runs)
+        tokens = " / ".join(str(round(mean(r["sampled_tokens"] for r in runs))) if runs else "-" for runs in (on, off))
+        lines.append(f"| {base} | {cells[0][0]} | {cells[0][1]} | {difference} | {seeds} | {cells[1][0]} | "
+                     f"{cells[1][1]} | {tokens} |")
+    return "\n".join(lines)
+
+
+def mean_sd(values: list[float]) -> str:
+    return f"{mean(values):.3f} ± {statistics.stdev(values):.3f}"
+
+
+def iterative_ages(folder: str, rounds: set[int]) -> str:
+    """The replay arms' metrics by sample age (`ages.md`) at `rounds`."""
+    header, rule, *lines = table(folder, "ages.md").splitlines()
+    return "\n".join([header, rule, *[line for line in lines if int(line.split("|")[2]) in rounds]])
+
+
+def iterative_same_rate(folder: str, methods: list[str], lr: float) -> str:
+    """Replay arms at one learning rate, round by round (mean over the sweep's seeds, from the ledger `runs/`): test
+    greedy pass@1 and invalid rate, the weight share of the round's own samples (age 0) and the mean log-ratio of
+    the oldest samples replayed. Without a taper every age keeps an equal share however far the policy moved."""
+    READ.add(folder)
+    seeds = range(load(folder)["settings"]["sweep_seeds"])
+    rows = {"greedy pass@1": "pass@1_greedy", "invalid rate": "invalid_rate", "age-0 weight share": "age_0/weight_share"}
+    lines = []
+    for method in methods:
+        ledger = [json.loads(line) for line in (RESULTS / folder / "runs" / f"{method}.jsonl").read_text().splitlines()]
+        runs = [entry["rounds"] for entry in ledger if entry["lr"] == lr and entry["seed"] in seeds]
+        if len(runs) != len(seeds):
+            raise ValueError(f"{folder}: {method} at {lr:g} has {len(runs)} of the sweep's {len(seeds)} seeds")
+        rounds = range(1, len(runs[0]))
+        if not lines:
+            lines = [f"| method ({rate_text(lr)}) | per round | " + " | ".join(f"r{r}" for r in rounds) + " |",
+                     "|---|---|" + "---|" * len(rounds)]
+        oldest = [max((int(k.split("/")[0][4:]) for k in run[r] if k.startswith("age_")), default=0) for r in rounds
+                  for run in runs[:1]]  # fmt: skip
+        cells = {label: [mean(run[r][key] for run in runs) for r in rounds] for label, key in rows.items()}
+        cells["oldest age: log-ratio mean"] = [
+            mean(run[r][f"age_{age}/log_ratio_mean"] for run in runs) for r, age in zip(rounds, oldest)]
+        for label, values in cells.items():
+            lines.append(f"| {method} | {label} | " + " | ".join(f"{v:.2f}" for v in values) + " |")
     return "\n".join(lines)
 
 

@@ -237,7 +237,14 @@ def test_iterative_fast_results_follow_the_sweep():
     # The committed fast results hold every rate the sweep asks for, and its best rate is the one each method ran.
     iterative = load("iterative")
     results = json.loads((BENCHMARKS / "results" / "iterative-fast" / "results.json").read_text())
-    for method, entry in results["methods"].items():
-        recorded = {float(rate): value for rate, value in entry["sweep"].items()}
-        swept = iterative.climb(results["settings"]["lrs"], recorded.get, done=lambda rate: rate in recorded)
-        assert swept == recorded and iterative.best_rate(swept) == entry["lr"], method
+    sweeps = {method: {float(rate): value for rate, value in entry["sweep"].items()}
+              for method, entry in results["methods"].items()}  # fmt: skip
+    assert list(sweeps) == list(iterative.METHODS)
+    for method, recorded in sweeps.items():
+        if method.endswith(iterative.REPLAY):  # from the on-policy counterpart's best rate
+            start = sweeps[iterative.SEARCH_START.get(method, method.removesuffix(iterative.REPLAY))]
+            swept = iterative.climb_from(iterative.best_rate(start), recorded.get, results["settings"]["replay_steps"])
+        else:
+            swept = iterative.climb(results["settings"]["lrs"], recorded.get, done=lambda rate: rate in recorded)
+        assert swept == recorded and iterative.best_rate(swept) == results["methods"][method]["lr"], method
+        assert len(results["methods"][method]["runs"]) == results["settings"]["seeds"], method
