@@ -36,7 +36,7 @@ FIGURES = {  # docs/images/<name> <- benchmarks/results/<file>
     "learning-real.png": "learning-real/learning.png",
     "learning-fast.png": "learning-fast-lr1e-4/learning.png",
     "iterative-fast.png": "iterative-fast/iterative.png",
-    "iterative-real.png": "iterative-real/iterative.png",
+    "iterative-real-before-replay.png": "iterative-real-before-replay/iterative.png",
 }
 
 
@@ -163,10 +163,12 @@ def iterative_table(folder: str) -> str:
     return benchmark("iterative").summarize(load(folder))[0].split("\n\n")[0]
 
 
-def iterative_diagnosis(folder: str, rounds: set[int] | None = None) -> str:
+def iterative_diagnosis(folder: str, rounds: set[int] | None = None, methods: set[str] | None = None) -> str:
+    """`diagnosis.md`'s rows at `rounds`, for `methods` (all by default)."""
     table = benchmark("iterative").summarize(load(folder))[1]
     header, rule, *lines = table.splitlines()
-    keep = [line for line in lines if rounds is None or int(line.split("|")[2]) in rounds]
+    keep = [line for line in lines if (rounds is None or int(line.split("|")[2]) in rounds)
+            and (methods is None or line.split("|")[1].strip() in methods)]  # fmt: skip
     return "\n".join([header, rule, *keep])
 
 
@@ -210,10 +212,26 @@ def mean_sd(values: list[float]) -> str:
     return f"{mean(values):.3f} ± {statistics.stdev(values):.3f}"
 
 
-def iterative_ages(folder: str, rounds: set[int]) -> str:
-    """The replay arms' metrics by sample age (`ages.md`) at `rounds`."""
+def iterative_ages(folder: str, rounds: set[int], methods: set[str]) -> str:
+    """The replay arms' metrics by sample age (`ages.md`) at `rounds`, for `methods`."""
     header, rule, *lines = table(folder, "ages.md").splitlines()
-    return "\n".join([header, rule, *[line for line in lines if int(line.split("|")[2]) in rounds]])
+    keep = [line for line in lines if int(line.split("|")[2]) in rounds and line.split("|")[1].strip() in methods]
+    return "\n".join([header, rule, *keep])
+
+
+def iterative_seconds(folder: str) -> int:
+    """The seconds every finished run of a results folder's ledger took, summed."""
+    READ.add(folder)
+    return sum(json.loads(line)["seconds"] for path in (RESULTS / folder / "runs").glob("*.jsonl")
+               for line in path.read_text().splitlines())  # fmt: skip
+
+
+def iterative_progress(folder: str) -> str:
+    """The runs finished so far in a results folder's ledger (`runs/<method>.jsonl`), method by method."""
+    READ.add(folder)
+    ledger = {method: RESULTS / folder / "runs" / f"{method}.jsonl" for method in benchmark("iterative").METHODS}
+    counts = {method: len(path.read_text().splitlines()) for method, path in ledger.items() if path.exists()}
+    return ", ".join(f"{method} {count}" for method, count in counts.items()) or "none"
 
 
 def iterative_same_rate(folder: str, methods: list[str], lr: float) -> str:
@@ -338,6 +356,7 @@ def verifier_tables() -> str:
     return "\n".join(lines)
 
 
+BEFORE = "iterative-real-before-replay"  # the real scale as first run: on-policy rounds, the earlier protocol
 QUOTES: dict[str, Callable[[], str]] = {
     # the embedded default (README's first command)
     "embedded.table": embedded_table,
@@ -368,28 +387,37 @@ QUOTES: dict[str, Callable[[], str]] = {
     # iterative
     "iterative-fast.table": lambda: iterative_table("iterative-fast"),
     "iterative-fast.sweeps": lambda: iterative_sweeps("iterative-fast"),
-    "iterative-fast.diagnosis": lambda: iterative_diagnosis("iterative-fast", {1, 4, 8}),
+    "iterative-fast.diagnosis": lambda: iterative_diagnosis("iterative-fast", {1, 4, 8}, {
+        *(m for m in benchmark("iterative").METHODS if not m.endswith("+replay")), "topr+replay"}),
+    "iterative-fast.replay": lambda: iterative_replay("iterative-fast"),
+    "iterative-fast.same_rate": lambda: iterative_same_rate(
+        "iterative-fast", ["reinforce+replay", "tis+replay", "topr+replay"], 1e-5),
+    "iterative-fast.ages": lambda: iterative_ages("iterative-fast", {2, 4, 8}, {"topr+replay", "topr_peff0.2+replay"}),
+    "iterative-fast.topr_replay": lambda: iterative_test("iterative-fast", "topr+replay"),
+    "iterative-fast.topr_peff02_replay": lambda: iterative_test("iterative-fast", "topr_peff0.2+replay"),
+    "iterative-fast.positives_only_replay": lambda: iterative_test("iterative-fast", "positives_only+replay"),
+    "iterative-fast.time": lambda: duration(iterative_seconds("iterative-fast")),
+    "iterative-real.progress": lambda: iterative_progress("iterative-real"),
     "iterative-fast.commit": lambda: provenance("iterative-fast")["commit"][:7],
     "iterative-fast.machine": lambda: machine("iterative-fast"),
     "iterative-fast.seeds": lambda: iterative_seeds("iterative-fast"),
     "iterative-fast.start": lambda: iterative_start("iterative-fast", "pass@1"),
     "iterative-fast.round1_positive": lambda: iterative_round_span("iterative-fast", "topr", "positive_fraction",
                                                                     range(1, 2)),
-    "iterative-real.round1_positive": lambda: iterative_round_span("iterative-real", "topr", "positive_fraction",
-                                                                    range(1, 2)),
-    "iterative-real.start": lambda: iterative_start("iterative-real", "pass@1"),
-    "iterative-real.start_invalid": lambda: iterative_start("iterative-real", "invalid_rate"),
-    "iterative-real.table": lambda: iterative_table("iterative-real"),
-    "iterative-real.seeds": lambda: iterative_seeds("iterative-real"),
-    "iterative-real.topr_positive_fraction": lambda: iterative_round_span(
-        "iterative-real", "topr", "positive_fraction", range(2, 5)),
-    "iterative-real.sweep": lambda: table("iterative-real", "sweep.md"),
-    "iterative-real.machine": lambda: machine("iterative-real"),
-    "iterative-real.diagnosis": lambda: iterative_diagnosis("iterative-real"),
-    "iterative-real.commit": lambda: provenance("iterative-real")["commit"][:7],
-    "iterative-real.positives_only": lambda: iterative_test("iterative-real", "positives_only"),
-    "iterative-real.topr": lambda: iterative_test("iterative-real", "topr"),
-    "iterative-real.reinforce": lambda: iterative_test("iterative-real", "reinforce"),
+    # the real scale's on-policy rows, recorded before the replay arms and the protocol's fixes
+    f"{BEFORE}.round1_positive": lambda: iterative_round_span(BEFORE, "topr", "positive_fraction", range(1, 2)),
+    f"{BEFORE}.start": lambda: iterative_start(BEFORE, "pass@1"),
+    f"{BEFORE}.start_invalid": lambda: iterative_start(BEFORE, "invalid_rate"),
+    f"{BEFORE}.table": lambda: iterative_table(BEFORE),
+    f"{BEFORE}.seeds": lambda: iterative_seeds(BEFORE),
+    f"{BEFORE}.topr_positive_fraction": lambda: iterative_round_span(BEFORE, "topr", "positive_fraction", range(2, 5)),
+    f"{BEFORE}.sweep": lambda: table(BEFORE, "sweep.md"),
+    f"{BEFORE}.machine": lambda: machine(BEFORE),
+    f"{BEFORE}.diagnosis": lambda: iterative_diagnosis(BEFORE),
+    f"{BEFORE}.commit": lambda: provenance(BEFORE)["commit"][:7],
+    f"{BEFORE}.positives_only": lambda: iterative_test(BEFORE, "positives_only"),
+    f"{BEFORE}.topr": lambda: iterative_test(BEFORE, "topr"),
+    f"{BEFORE}.reinforce": lambda: iterative_test(BEFORE, "reinforce"),
     # cost, sampling, precision on this machine
     "cost.table": cost_table,
     "cost.command": lambda: provenance("cost")["command"],
