@@ -251,8 +251,8 @@ def iterative_same_rate(folder: str, methods: list[str], lr: float) -> str:
         if not lines:
             lines = [f"| method ({rate_text(lr)}) | per round | " + " | ".join(f"r{r}" for r in rounds) + " |",
                      "|---|---|" + "---|" * len(rounds)]
-        oldest = [max((int(k.split("/")[0][4:]) for k in run[r] if k.startswith("age_")), default=0) for r in rounds
-                  for run in runs[:1]]  # fmt: skip
+        oldest = [max(int(key.split("/")[0].removeprefix("age_")) for key in runs[0][r] if key.startswith("age_"))
+                  for r in rounds]  # fmt: skip
         cells = {label: [mean(run[r][key] for run in runs) for r in rounds] for label, key in rows.items()}
         cells["oldest age: log-ratio mean"] = [
             mean(run[r][f"age_{age}/log_ratio_mean"] for run in runs) for r, age in zip(rounds, oldest)]
@@ -388,7 +388,7 @@ QUOTES: dict[str, Callable[[], str]] = {
     "iterative-fast.table": lambda: iterative_table("iterative-fast"),
     "iterative-fast.sweeps": lambda: iterative_sweeps("iterative-fast"),
     "iterative-fast.diagnosis": lambda: iterative_diagnosis("iterative-fast", {1, 4, 8}, {
-        *(m for m in benchmark("iterative").METHODS if not m.endswith("+replay")), "topr+replay"}),
+        *(m for m in benchmark("iterative").METHODS if "+replay" not in m), "topr+replay"}),
     "iterative-fast.replay": lambda: iterative_replay("iterative-fast"),
     "iterative-fast.same_rate": lambda: iterative_same_rate(
         "iterative-fast", ["reinforce+replay", "tis+replay", "topr+replay"], 1e-5),
