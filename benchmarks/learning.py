@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -86,23 +87,30 @@ def reversal_reward(prompts, completions, answer, **kwargs) -> list[float]:
 def pretrain_reverser(folder: str, numbers: list[int]) -> str:
     """A tiny Llama that reverses 4 digits at a middling accuracy: the fast scale's behavior policy. The task is learnt
     abruptly: on held-out strings, 120 SFT steps give 36% greedy / 4% sampled accuracy, 130 steps 66% / 15%, 160 steps
-    100% / 74%."""
+    100% / 74%. Built in a folder of its own and moved to `folder` once trained, so that an interrupted build, or two
+    calls building it at once, never leave an untrained model there; where `folder` exists, it is kept (the build is
+    seeded: the same model)."""
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import build_tiny_model
     from datasets import Dataset
     from transformers import PrinterCallback
     from trl import SFTConfig, SFTTrainer
 
-    build_tiny_model(folder, hidden_size=64)
+    partial = Path(f"{folder}.partial-{os.getpid()}")
+    build_tiny_model(str(partial), hidden_size=64)
     rows = reversal_rows(numbers)
     data = Dataset.from_list([{"prompt": r["prompt"], "completion": " " + r["answer"]} for r in rows])
-    args = SFTConfig(output_dir=str(Path(folder) / "sft"), use_cpu=True, bf16=False, report_to="none", seed=0,
+    args = SFTConfig(output_dir=str(partial / "sft"), use_cpu=True, bf16=False, report_to="none", seed=0,
                      max_steps=130, per_device_train_batch_size=32, learning_rate=3e-3, save_strategy="no",
                      logging_steps=10**6, activation_checkpointing=False, disable_tqdm=True)
-    trainer = SFTTrainer(folder, args=args, train_dataset=data)
+    trainer = SFTTrainer(str(partial), args=args, train_dataset=data)
     trainer.remove_callback(PrinterCallback)
     trainer.train()
-    trainer.save_model(folder)
+    trainer.save_model(str(partial))
+    try:
+        partial.rename(folder)
+    except OSError:  # another call moved its model there first
+        shutil.rmtree(partial)
     return folder
 
 
