@@ -219,11 +219,12 @@ def iterative_ages(folder: str, rounds: set[int], methods: set[str]) -> str:
     return "\n".join([header, rule, *keep])
 
 
-def iterative_seconds(folder: str) -> int:
-    """The seconds every finished run of a results folder's ledger took, summed."""
+def iterative_seconds(folder: str, per_run: bool = False) -> float:
+    """The seconds the finished runs of a results folder's ledger took, summed (or on average, `per_run`)."""
     READ.add(folder)
-    return sum(json.loads(line)["seconds"] for path in (RESULTS / folder / "runs").glob("*.jsonl")
-               for line in path.read_text().splitlines())  # fmt: skip
+    seconds = [json.loads(line)["seconds"] for path in (RESULTS / folder / "runs").glob("*.jsonl")
+               for line in path.read_text().splitlines()]  # fmt: skip
+    return statistics.fmean(seconds) if per_run else sum(seconds)
 
 
 def iterative_progress(folder: str) -> str:
@@ -398,6 +399,7 @@ QUOTES: dict[str, Callable[[], str]] = {
     "iterative-fast.positives_only_replay": lambda: iterative_test("iterative-fast", "positives_only+replay"),
     "iterative-fast.time": lambda: duration(iterative_seconds("iterative-fast")),
     "iterative-real.progress": lambda: iterative_progress("iterative-real"),
+    "iterative-real.run_time": lambda: duration(iterative_seconds("iterative-real", per_run=True)),
     "iterative-fast.commit": lambda: provenance("iterative-fast")["commit"][:7],
     "iterative-fast.machine": lambda: machine("iterative-fast"),
     "iterative-fast.seeds": lambda: iterative_seeds("iterative-fast"),
