@@ -219,12 +219,11 @@ def iterative_ages(folder: str, rounds: set[int], methods: set[str]) -> str:
     return "\n".join([header, rule, *keep])
 
 
-def iterative_seconds(folder: str, per_run: bool = False) -> float:
-    """The seconds the finished runs of a results folder's ledger took, summed (or on average, `per_run`)."""
+def iterative_seconds(folder: str) -> list[float]:
+    """The seconds each finished run of a results folder's ledger (`runs/<method>.jsonl`) took."""
     READ.add(folder)
-    seconds = [json.loads(line)["seconds"] for path in (RESULTS / folder / "runs").glob("*.jsonl")
-               for line in path.read_text().splitlines()]  # fmt: skip
-    return statistics.fmean(seconds) if per_run else sum(seconds)
+    return [json.loads(line)["seconds"] for path in sorted((RESULTS / folder / "runs").glob("*.jsonl"))
+            for line in path.read_text().splitlines()]  # fmt: skip
 
 
 def iterative_progress(folder: str) -> str:
@@ -397,9 +396,9 @@ QUOTES: dict[str, Callable[[], str]] = {
     "iterative-fast.topr_replay": lambda: iterative_test("iterative-fast", "topr+replay"),
     "iterative-fast.topr_peff02_replay": lambda: iterative_test("iterative-fast", "topr_peff0.2+replay"),
     "iterative-fast.positives_only_replay": lambda: iterative_test("iterative-fast", "positives_only+replay"),
-    "iterative-fast.time": lambda: duration(iterative_seconds("iterative-fast")),
+    "iterative-fast.time": lambda: duration(sum(iterative_seconds("iterative-fast"))),
     "iterative-real.progress": lambda: iterative_progress("iterative-real"),
-    "iterative-real.run_time": lambda: duration(iterative_seconds("iterative-real", per_run=True)),
+    "iterative-real.run_time": lambda: duration(mean(iterative_seconds("iterative-real"))),
     "iterative-fast.commit": lambda: provenance("iterative-fast")["commit"][:7],
     "iterative-fast.machine": lambda: machine("iterative-fast"),
     "iterative-fast.seeds": lambda: iterative_seeds("iterative-fast"),
