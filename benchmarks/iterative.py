@@ -11,7 +11,8 @@ TOPR is made for, TOPR, TOPR with the paper's target positive fraction 0.2, posi
 Every finished run (method, learning rate, seed) is recorded in `runs/<method>.jsonl` of --out, committed with the
 results, and never trained again: run the command again, here or on another machine, to go on where it stopped
 (`--time_limit` stops cleanly after that many minutes; an unfinished run resumes from its last round under --work).
-Calls with different `--methods` can run side by side. Learning rates are chosen on a validation split (sampled
+Calls with different `--methods` can run side by side (each writes the results of the runs it has seen; run
+`--report_only` once they are done to write those of all). Learning rates are chosen on a validation split (sampled
 pass@1 after the last round), averaged over the first `sweep_seeds` seeds. On-policy methods climb their grid from its
 smallest rate and stop at the first rate that scores below a smaller one; while the best is at an edge of the rates
 scored, the next rate past it is scored too (up to two beyond the grid). Replay arms start from the best rate of their
