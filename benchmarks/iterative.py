@@ -42,6 +42,7 @@ import shutil
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -362,8 +363,16 @@ class Ledger:
         self.folder = folder / "runs"
         self.runs = {}
         for path in sorted(self.folder.glob("*.jsonl")):
-            for line in path.read_text().splitlines():
-                entry = json.loads(line)
+            lines = path.read_text().splitlines()
+            for number, line in enumerate(lines, start=1):
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:
+                    if number < len(lines):
+                        raise
+                    print(f"{path}: the last line is cut short (a call stopped while writing it): its run will be "
+                          "trained again", file=sys.stderr)  # fmt: skip
+                    continue
                 self.runs[entry["method"], f"{entry['lr']:g}", entry["seed"]] = entry
 
     def get(self, method: str, lr: float, seed: int) -> dict | None:
@@ -436,9 +445,12 @@ def main(argv=None) -> str:
     sweep_seeds = range(setting["sweep_seeds"])
 
     def score(method: str, lr: float) -> float | None:  # mean validation score of the sweep seeds; None: not run
-        if not all(available(method, lr, seed) for seed in sweep_seeds):
-            return None
-        return statistics.fmean(run(method, lr, seed)["validation"]["pass@1"] for seed in sweep_seeds)
+        values = []
+        for seed in sweep_seeds:  # the time limit is checked before each run
+            if not available(method, lr, seed):
+                return None
+            values.append(run(method, lr, seed)["validation"]["pass@1"])
+        return statistics.fmean(values)
 
     def done(method: str):
         return lambda lr: all(ledger.get(method, lr, seed) is not None for seed in sweep_seeds)
@@ -447,12 +459,12 @@ def main(argv=None) -> str:
     # compares the methods swept. Replay arms start from their on-policy counterpart's best rate.
     sweeps, results = {}, {"methods": {}}
     for method in METHODS:
-        if method.endswith(REPLAY):
-            start = sweeps.get(SEARCH_START.get(method, method.removesuffix(REPLAY)))
-            steps = setting["replay_steps"]
-            sweeps[method] = start and climb_from(best_rate(start), lambda lr: score(method, lr), steps)
-        else:
-            sweeps[method] = climb(setting["lrs"], lambda lr: score(method, lr), done(method))
+        if not method.endswith(REPLAY):
+            sweeps[method] = climb(setting["lrs"], partial(score, method), done(method))
+        elif (start := sweeps.get(SEARCH_START.get(method, method.removesuffix(REPLAY)))) is not None:
+            sweeps[method] = climb_from(best_rate(start), partial(score, method), setting["replay_steps"])
+        else:  # its on-policy counterpart is not swept (yet): in a call beside this one, it needs `--report_only`
+            sweeps[method] = None
     for method, sweep in sweeps.items():
         if sweep is None:
             continue
@@ -463,7 +475,7 @@ def main(argv=None) -> str:
             "validation": [e["validation"] for e in entries], "seconds": [e["seconds"] for e in entries],
             "replay_rounds": setting["replay"] if method.endswith(REPLAY) else 0,
         }  # fmt: skip
-    finished = all(len(results["methods"].get(m, {"runs": []})["runs"]) == setting["seeds"] for m in args.methods)
+    unfinished = [m for m in args.methods if len(results["methods"].get(m, {"runs": []})["runs"]) < setting["seeds"]]
 
     results["title"] = (f"{setting['description']}: {setting['prompts']} prompts x {setting['num_samples']} samples "
                         f"per round, {setting['rounds']} rounds, batch {setting['batch']}")  # fmt: skip
@@ -479,7 +491,9 @@ def main(argv=None) -> str:
              "ages.md": f"{results['title']}\n\n{ages_table(results)}\n",
              "sweep.md": f"{results['title']}\n\n{sweep_table(ledger, setting['sweep_seeds'])}\n"}
     save(out, files, script=__file__, argv=argv, started=started, append=True)  # a record per call: it resumes
-    status = "complete" if finished else "stopped at the time limit: run the same command again to go on"
+    status = "complete" if not unfinished else (
+        f"not finished: {', '.join(unfinished)}. Run the same command again to go on (a replay arm waits for the sweep "
+        "of its on-policy counterpart, which another call may be running)")  # fmt: skip
     print(f"{results['title']}; {results['seconds_this_call']} s this call, {status}\n\n{table}\n\n{diagnosis}")
     return table
 
@@ -516,8 +530,9 @@ def climb(rates: list[float], score, done) -> dict | None:
 
 def climb_from(start: float, score, steps: int = 3) -> dict | None:
     """A learning-rate sweep from `start` along the 1-3-10 ladder: down while the score improves, then, unless a
-    smaller rate won, up while it improves; at most `steps` rates each way. Returns {rate: score}, or None when
-    `score` returns None (no time left to run that rate)."""
+    smaller rate scored higher than `start`, up while it improves; at most `steps` rates each way (a best rate at the
+    cap is not followed further: the cap bounds the cost). Returns {rate: score}, or None when `score` returns None
+    (no time left to run that rate)."""
     scores = {}
     for up in (False, True):
         rate, previous = start, None
@@ -529,7 +544,7 @@ def climb_from(start: float, score, steps: int = 3) -> dict | None:
             if previous is not None and scores[rate] <= previous:
                 break
             previous, rate = scores[rate], beyond(rate, up)
-        if best_rate(scores) < start:
+        if scores[best_rate(scores)] > scores[start]:  # a smaller rate won
             break
     return scores
 

@@ -111,6 +111,8 @@ def pretrain_reverser(folder: str, numbers: list[int]) -> str:
         partial.rename(folder)
     except OSError:  # another call moved its model there first
         shutil.rmtree(partial)
+        if not (Path(folder) / "model.safetensors").exists():
+            raise
     return folder
 
 

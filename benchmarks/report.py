@@ -201,7 +201,7 @@ def iterative_replay(folder: str) -> str:
         cells = [[mean_sd([r[key] for r in runs]) if runs else "not run" for runs in (on, off)]
                  for key in ("pass@1", "pass@1_greedy")]  # fmt: skip
         difference = f"{mean(r['pass@1'] for r in off) - mean(r['pass@1'] for r in on):+.3f}" if on else "-"
-        seeds = "; ".join(" / ".join(f"{r['pass@1']:.3f}" for r in runs) for runs in (on, off) if runs)
+        seeds = "; ".join(" / ".join(f"{r['pass@1']:.3f}" for r in runs) or "-" for runs in (on, off))
         tokens = " / ".join(str(round(mean(r["sampled_tokens"] for r in runs))) if runs else "-" for runs in (on, off))
         lines.append(f"| {base} | {cells[0][0]} | {cells[0][1]} | {difference} | {seeds} | {cells[1][0]} | "
                      f"{cells[1][1]} | {tokens} |")
@@ -209,7 +209,7 @@ def iterative_replay(folder: str) -> str:
 
 
 def mean_sd(values: list[float]) -> str:
-    return f"{mean(values):.3f} ± {statistics.stdev(values):.3f}"
+    return f"{mean(values):.3f}" + (f" ± {statistics.stdev(values):.3f}" if len(values) > 1 else "")
 
 
 def iterative_ages(folder: str, rounds: set[int], methods: set[str]) -> str:
@@ -219,32 +219,34 @@ def iterative_ages(folder: str, rounds: set[int], methods: set[str]) -> str:
     return "\n".join([header, rule, *keep])
 
 
-def iterative_seconds(folder: str) -> list[float]:
-    """The seconds each finished run of a results folder's ledger (`runs/<method>.jsonl`) took."""
+def ledger(folder: str):
+    """The finished runs of a results folder (`runs/<method>.jsonl`), as the benchmark reads them."""
     READ.add(folder)
-    return [json.loads(line)["seconds"] for path in sorted((RESULTS / folder / "runs").glob("*.jsonl"))
-            for line in path.read_text().splitlines()]  # fmt: skip
+    return benchmark("iterative").Ledger(RESULTS / folder)
+
+
+def iterative_seconds(folder: str) -> list[float]:
+    """The seconds each finished run of a results folder's ledger took."""
+    return [entry["seconds"] for entry in ledger(folder).runs.values()]
 
 
 def iterative_progress(folder: str) -> str:
-    """The runs finished so far in a results folder's ledger (`runs/<method>.jsonl`), method by method."""
-    READ.add(folder)
-    ledger = {method: RESULTS / folder / "runs" / f"{method}.jsonl" for method in benchmark("iterative").METHODS}
-    counts = {method: len(path.read_text().splitlines()) for method, path in ledger.items() if path.exists()}
-    return ", ".join(f"{method} {count}" for method, count in counts.items()) or "none"
+    """The runs finished so far in a results folder's ledger, method by method."""
+    runs = ledger(folder).runs
+    counts = {method: sum(m == method for m, _, _ in runs) for method in benchmark("iterative").METHODS}
+    return ", ".join(f"{method} {count}" for method, count in counts.items() if count) or "none"
 
 
 def iterative_same_rate(folder: str, methods: list[str], lr: float) -> str:
-    """Replay arms at one learning rate, round by round (mean over the sweep's seeds, from the ledger `runs/`): test
-    greedy pass@1 and invalid rate, the weight share of the round's own samples (age 0) and the mean log-ratio of
-    the oldest samples replayed. Without a taper every age keeps an equal share however far the policy moved."""
-    READ.add(folder)
+    """Replay arms at one learning rate, round by round (mean over the sweep's seeds, from the ledger): test greedy
+    pass@1 and invalid rate, the weight share of the round's own samples (age 0) and the mean log-ratio of the
+    oldest samples replayed. Without a taper every age keeps an equal share however far the policy moved."""
     seeds = range(load(folder)["settings"]["sweep_seeds"])
+    finished = ledger(folder)
     rows = {"greedy pass@1": "pass@1_greedy", "invalid rate": "invalid_rate", "age-0 weight share": "age_0/weight_share"}
     lines = []
     for method in methods:
-        ledger = [json.loads(line) for line in (RESULTS / folder / "runs" / f"{method}.jsonl").read_text().splitlines()]
-        runs = [entry["rounds"] for entry in ledger if entry["lr"] == lr and entry["seed"] in seeds]
+        runs = [entry["rounds"] for seed in seeds if (entry := finished.get(method, lr, seed)) is not None]
         if len(runs) != len(seeds):
             raise ValueError(f"{folder}: {method} at {lr:g} has {len(runs)} of the sweep's {len(seeds)} seeds")
         rounds = range(1, len(runs[0]))
@@ -253,11 +255,12 @@ def iterative_same_rate(folder: str, methods: list[str], lr: float) -> str:
                      "|---|---|" + "---|" * len(rounds)]
         oldest = [max(int(key.split("/")[0].removeprefix("age_")) for key in runs[0][r] if key.startswith("age_"))
                   for r in rounds]  # fmt: skip
-        cells = {label: [mean(run[r][key] for run in runs) for r in rounds] for label, key in rows.items()}
-        cells["oldest age: log-ratio mean"] = [
-            mean(run[r][f"age_{age}/log_ratio_mean"] for run in runs) for r, age in zip(rounds, oldest)]
+        cells = {label: [f"{mean(run[r][key] for run in runs):.2f}" for r in rounds] for label, key in rows.items()}
+        cells["oldest replayed: log-ratio mean"] = [  # none replayed in round 1
+            f"{mean(run[r][f'age_{age}/log_ratio_mean'] for run in runs):.2f}" if age else "-"
+            for r, age in zip(rounds, oldest)]  # fmt: skip
         for label, values in cells.items():
-            lines.append(f"| {method} | {label} | " + " | ".join(f"{v:.2f}" for v in values) + " |")
+            lines.append(f"| {method} | {label} | " + " | ".join(values) + " |")
     return "\n".join(lines)
 
 
@@ -388,7 +391,7 @@ QUOTES: dict[str, Callable[[], str]] = {
     "iterative-fast.table": lambda: iterative_table("iterative-fast"),
     "iterative-fast.sweeps": lambda: iterative_sweeps("iterative-fast"),
     "iterative-fast.diagnosis": lambda: iterative_diagnosis("iterative-fast", {1, 4, 8}, {
-        *(m for m in benchmark("iterative").METHODS if "+replay" not in m), "topr+replay"}),
+        *(m for m in benchmark("iterative").METHODS if benchmark("iterative").REPLAY not in m), "topr+replay"}),
     "iterative-fast.replay": lambda: iterative_replay("iterative-fast"),
     "iterative-fast.same_rate": lambda: iterative_same_rate(
         "iterative-fast", ["reinforce+replay", "tis+replay", "topr+replay"], 1e-5),

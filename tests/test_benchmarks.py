@@ -132,7 +132,7 @@ def test_iterative_benchmark_resumes_and_gives_every_method_the_same_budget(caps
     options = ["--scale", "fast", "--quick", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")]
     ledger = tmp_path / "out" / "runs"
     iterative.main(options + ["--time_limit", "0"])  # stops after its first run, recorded in the ledger
-    assert "stopped at the time limit" in capsys.readouterr().out
+    assert f"not finished: {', '.join(iterative.METHODS)}. Run the same command again" in capsys.readouterr().out
     first = (ledger / "topr.jsonl").read_text()
     assert [(e["lr"], e["seed"]) for e in map(json.loads, first.splitlines())] == [(3e-4, 0)]
     assert not (tmp_path / "work" / "topr" / "lr0.0003" / "seed1").exists()
