@@ -356,8 +356,9 @@ def plot(results: dict, path: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------------- main
 class Ledger:
     """The finished runs, one JSON line each in `runs/<method>.jsonl` of the results folder: the method, rate and seed,
-    the validation scores, the seconds it took and its rounds (`read_run`). Committed with the results, so a run
-    finished anywhere is never trained again, and calls with different methods write different files."""
+    the validation scores, the seconds it took (`resumed`: of the call that finished it) and its rounds (`read_run`).
+    Committed with the results, so a run finished anywhere is never trained again, and calls with different methods
+    write different files."""
 
     def __init__(self, folder: Path):
         self.folder = folder / "runs"
@@ -421,6 +422,7 @@ def main(argv=None) -> str:
     def run(method: str, lr: float, seed: int) -> dict:
         if (entry := ledger.get(method, lr, seed)) is None:
             folder = work / method / f"lr{lr:g}" / f"seed{seed}"
+            resumed = (folder / "metrics.jsonl").exists()  # begun by an earlier call: `seconds` counts this call's part
             started = time.perf_counter()
             if method == "grpo":
                 run_grpo(setting, lr, seed, folder, args.use_vllm)
@@ -428,7 +430,8 @@ def main(argv=None) -> str:
                 run_loop(method, setting, lr, seed, folder, args.use_vllm)
             ran.append(folder)
             entry = {"method": method, "lr": lr, "seed": seed, "validation": validate(setting, method, folder, seed),
-                     "seconds": round(time.perf_counter() - started), "rounds": read_run(method, folder)}  # fmt: skip
+                     "seconds": round(time.perf_counter() - started), "resumed": resumed,
+                     "rounds": read_run(method, folder)}  # fmt: skip
             ledger.add(entry)
             greedy = " ".join(f"{r['pass@1_greedy']:.3f}" for r in entry["rounds"])
             elapsed = time.perf_counter() - t0

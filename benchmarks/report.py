@@ -226,8 +226,9 @@ def ledger(folder: str):
 
 
 def iterative_seconds(folder: str) -> list[float]:
-    """The seconds each finished run of a results folder's ledger took."""
-    return [entry["seconds"] for entry in ledger(folder).runs.values()]
+    """The seconds each finished run of a results folder's ledger took, of the runs trained by one call (a resumed
+    run's seconds are those of the call that finished it)."""
+    return [entry["seconds"] for entry in ledger(folder).runs.values() if not entry.get("resumed")]
 
 
 def iterative_progress(folder: str) -> str:
