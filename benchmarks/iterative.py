@@ -4,7 +4,7 @@ rounds and TRL's GRPOTrainer online on the same prompts and reward, each round o
 TOPR is made for, TOPR, TOPR with the paper's target positive fraction 0.2, positives-only, REINFORCE and truncated IS
 (TIS), each round replaying the samples of the rounds before it.
 
-    python benchmarks/iterative.py --scale fast            # tiny Llama, digit reversal: 1-2 hours on 2 CPU cores
+    python benchmarks/iterative.py --scale fast            # tiny Llama, digit reversal (its CPU time: docs/benchmarks.md)
     python benchmarks/iterative.py --scale real            # SmolLM2-135M-Instruct, single-digit arithmetic: many hours
     python benchmarks/iterative.py --scale fast --quick    # smoke run (tests/test_benchmarks.py)
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -230,7 +232,23 @@ def test_iterative_replay_sweep_climbs_from_the_on_policy_rate():
     rising = {rate: rate for rate in [1e-6, 3e-6, 1e-5, 3e-5, 1e-4, 3e-4]}  # down is worse: then up, at most 3 steps
     assert iterative.climb_from(3e-6, rising.get) == {3e-6: 3e-6, 1e-6: 1e-6, 1e-5: 1e-5, 3e-5: 3e-5, 1e-4: 1e-4}
     assert iterative.climb_from(1e-5, peak.get, steps=0) == {1e-5: 0.5}  # no sweep
+    tie = {1e-5: 0.5, 3e-6: 0.5, 3e-5: 0.7, 1e-4: 0.6}  # a smaller rate only ties the start: the climb goes up too
+    assert iterative.climb_from(1e-5, tie.get) == tie
     assert iterative.climb_from(1e-5, lambda rate: None if rate == 3e-6 else peak[rate]) is None  # no time left
+
+
+def test_iterative_ledger_trains_again_a_run_whose_line_was_cut_short(tmp_path, capsys):
+    iterative = load("iterative")
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    whole = json.dumps({"method": "topr", "lr": 1e-5, "seed": 0, "seconds": 3})
+    (runs / "topr.jsonl").write_text(whole + "\n" + whole.replace('"seed": 0', '"seed": 1')[:30])
+    ledger = iterative.Ledger(tmp_path)
+    assert ledger.get("topr", 1e-5, 0)["seconds"] == 3 and ledger.get("topr", 1e-5, 1) is None
+    assert "cut short" in capsys.readouterr().err
+    (runs / "topr.jsonl").write_text(whole[:30] + "\n" + whole + "\n")  # cut short before the end: not a killed write
+    with pytest.raises(json.JSONDecodeError):
+        iterative.Ledger(tmp_path)
 
 
 def test_iterative_fast_results_follow_the_sweep():
