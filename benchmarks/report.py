@@ -209,7 +209,8 @@ def iterative_replay(folder: str) -> str:
 
 
 def mean_sd(values: list[float]) -> str:
-    return f"{mean(values):.3f}" + (f" ± {statistics.stdev(values):.3f}" if len(values) > 1 else "")
+    """Mean ± standard deviation, as the benchmarks' tables write them."""
+    return benchmark("iterative").mean_std(values)
 
 
 def iterative_ages(folder: str, rounds: set[int], methods: set[str]) -> str:
@@ -272,8 +273,7 @@ def rate_text(rate: float) -> str:
 
 def iterative_test(folder: str, method: str, key: str = "pass@1") -> str:
     """Mean ± sd over seeds after the last round, as in the results' table."""
-    values = [run[-1][key] for run in load(folder)["methods"][method]["runs"]]
-    return f"{mean(values):.3f} ± {statistics.stdev(values):.3f}"
+    return mean_sd([run[-1][key] for run in load(folder)["methods"][method]["runs"]])
 
 
 def iterative_seeds(folder: str) -> str:
