@@ -57,8 +57,7 @@ def test_command_line_parsing():
         ({"loss_type": "ppo_clip", "positive_ratio_bounds": [0.0, 1.0]}, "ppo_clip"),
         ({"epsilon": 1.5}, "epsilon"),
         ({"baseline": float("nan")}, "baseline"),
-        ({"packing": True}, "packing"),
-        ({"padding_free": True}, "padding_free"),
+        ({"packing": True}, "padding_free=True"),
         ({"completion_only_loss": False}, "completion_only_loss"),
     ],
 )

@@ -38,6 +38,51 @@ def with_fused_lm_head(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+# What a batch holds besides the model's inputs
+NOT_MODEL_INPUTS = ("rewards", "behavior_logps")
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """`batch` with its tensors on `device` (a padding-free batch also holds ints: its longest sequence)."""
+    return {name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in batch.items()}
+
+
+def is_padding_free(inputs: dict[str, torch.Tensor]) -> bool:
+    """Whether `inputs` is a padding-free batch (TRL's layout: rows laid end to end in one, `position_ids` restarting
+    at 0 for each, no `attention_mask`), as `DataCollatorForLanguageModeling(padding_free=True)` makes it."""
+    return "attention_mask" not in inputs and "position_ids" in inputs
+
+
+def completion_rows(values: torch.Tensor, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """
+    Per-token values of a batch's completions, one row per sequence: what [`topr_loss`] takes.
+
+    In a padded batch that is the batch itself. In a padding-free batch, the rows are laid end to end in one sequence:
+    each completion's values are taken out of it and placed, in order, left-aligned in a row of their own, with the
+    gradient. The sequences are told apart by their restarting `position_ids`, as the attention tells them apart;
+    sequences without any completion token (the padding to `pad_to_multiple_of`) are no rows.
+
+    Args:
+        values (`torch.Tensor` of shape `(rows, length - 1)`):
+            One value per predicted token: position t holds the value of token t + 1 (log-probs, entropies, behavior
+            log-probs placed at their tokens and shifted).
+        inputs (`dict[str, torch.Tensor]`):
+            The batch, with `labels` (-100 off the completion) and, when padding-free, `position_ids`.
+
+    Returns:
+        `tuple[torch.Tensor, torch.Tensor]`: the values, shaped `(B, T)` with one row per sequence, and the boolean
+        mask of their completion tokens.
+    """
+    mask = inputs["labels"][:, 1:] != -100
+    if not is_padding_free(inputs):
+        return values, mask
+    sequence = (inputs["position_ids"] == 0).cumsum(-1)[:, 1:]  # the sequence of each predicted token
+    lengths = torch.bincount(sequence[mask])
+    lengths = lengths[lengths > 0]  # in order: every sequence of the batch has completion tokens
+    rows_mask = torch.arange(int(lengths.max()), device=values.device) < lengths[:, None].to(values.device)
+    return values.new_zeros(rows_mask.shape).masked_scatter(rows_mask, values[mask]), rows_mask
+
+
 def completion_logps(model: torch.nn.Module, inputs: dict[str, torch.Tensor]):
     """
     Per-token log pi of each next token, with TRL's fused LM head: what [`TOPRTrainer`]'s loss trains.
@@ -46,16 +91,20 @@ def completion_logps(model: torch.nn.Module, inputs: dict[str, torch.Tensor]):
         model (`torch.nn.Module`):
             The policy, with TRL's fused LM head (see [`with_fused_lm_head`]).
         inputs (`dict[str, torch.Tensor]`):
-            A batch with `input_ids`, `attention_mask` and `labels` (-100 off the completion).
+            A padded batch with `input_ids`, `attention_mask` and `labels` (-100 off the completion), or a
+            padding-free one ([`is_padding_free`]) with `position_ids` instead of the mask (and the sequence
+            boundaries for variable-length attention kernels, as TRL's collator gives them).
 
     Returns:
-        `tuple`: the log-probs (batch, length - 1), the completion mask of the same shape, and the model's outputs.
+        `tuple`: the log-probs, one row per sequence (see [`completion_rows`]), the completion mask of the same shape,
+        and the model's outputs.
     """
-    outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], labels=inputs["labels"],
-                    use_cache=False, fused_lm_head=True)  # fmt: skip
+    model_inputs = {name: value for name, value in inputs.items() if name not in NOT_MODEL_INPUTS}
+    # Without a cache: with one, transformers does not build the mask that keeps padding-free sequences apart.
+    outputs = model(**model_inputs, use_cache=False, fused_lm_head=True)
     length = inputs["input_ids"].size(1) - 1
     # Prompt-learning PEFT prepends virtual tokens to the outputs: keep the positions of the real tokens.
-    return outputs.log_probs[:, -length:], inputs["labels"][:, 1:] != -100, outputs
+    return *completion_rows(outputs.log_probs[:, -length:], inputs), outputs
 
 
 @contextlib.contextmanager
@@ -100,6 +149,7 @@ def behavior_logps(
     autocast: contextlib.AbstractContextManager | None = None,
     training_engine=None,
     checkpointing_kwargs: dict | None = None,
+    padding_free: bool = False,
 ) -> list[list[float]]:
     """
     The per-token log-probs of each row's completion under `model`, computed as training computes log pi (the
@@ -123,11 +173,13 @@ def behavior_logps(
             [`~trl_topr.distributed.full_weights`]).
         checkpointing_kwargs (`dict`, *optional*):
             The model's activation checkpointing arguments, restored after.
+        padding_free (`bool`, *optional*, defaults to `False`):
+            Lay each batch's rows end to end without padding, as training with `padding_free=True` does.
 
     Returns:
         `list[list[float]]`: one value per completion token of each row, in order.
     """
-    collator = DataCollatorForLanguageModeling(pad_token_id=pad_token_id)
+    collator = DataCollatorForLanguageModeling(pad_token_id=pad_token_id, padding_free=padding_free)
     with_fused_lm_head(model)
     device = next(model.parameters()).device
 
@@ -135,7 +187,7 @@ def behavior_logps(
         values = []
         for start in range(0, len(share), batch_size):
             batch = collator([{k: row[k] for k in ("input_ids", "labels")} for row in share[start : start + batch_size]])
-            batch = {name: tensor.to(device) for name, tensor in batch.items()}
+            batch = to_device(batch, device)
             per_token, mask, _ = completion_logps(model, batch)
             values += [row[keep].tolist() for row, keep in zip(per_token.float().cpu(), mask.cpu(), strict=True)]
         return values

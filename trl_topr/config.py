@@ -348,8 +348,15 @@ class TOPRConfig(VLLMArguments, _ActivationCheckpointingName, SFTConfig):
             raise ValueError(
                 f"`target_positive_fraction` must be in (0, 1), got {self.target_positive_fraction}."
             )
-        # TOPR's loss is a sum over each completion: sequences must stay separate and the prompt must stay masked.
-        if self.packing or self.padding_free:
-            raise ValueError("`packing` and `padding_free` are not supported by TOPR, whose loss is per sequence.")
+        # TOPR's loss is a sum over each completion, and its mean is over the batch's completions: a batch holds
+        # `per_device_train_batch_size` whole rows. `padding_free` keeps that (it only lays the rows end to end);
+        # packing does not.
+        if self.packing:
+            raise ValueError(
+                "`packing` is not supported by TOPR: it fills each batch with a token budget of rows (a different "
+                "number of completions in every batch) and TRL's packer carries token columns only, not the reward "
+                "and behavior log-probs of each row. Set `padding_free=True` instead: each batch of "
+                "`per_device_train_batch_size` rows is laid end to end, with no padding."
+            )
         if self.completion_only_loss is False:
             raise ValueError("`completion_only_loss=False` is not supported: TOPR weighs completion tokens only.")

@@ -78,7 +78,8 @@ def metrics_by_age(policy, rows: Dataset, round_index: int, args, baseline: floa
     tokenized = [{"input_ids": p + c, "labels": [-100] * len(p) + c}
                  for p, c in zip(rows[PROMPT_IDS], rows[COMPLETION_IDS], strict=True)]  # fmt: skip
     pi = behavior_logps(policy, tokenized, pad_token_id=pad_token_id, batch_size=batch_size,
-                        autocast=training_autocast(args, next(policy.parameters()).device))  # fmt: skip
+                        autocast=training_autocast(args, next(policy.parameters()).device),
+                        padding_free=args.padding_free)  # fmt: skip
     log_ratio = torch.tensor([math.fsum(p) - math.fsum(m[: len(p)]) for p, m in zip(pi, rows[BEHAVIOR_LOGPS])])
     advantages = torch.tensor(rows[REWARD], dtype=torch.float64) - baseline
     weights = topr_weights(log_ratio, advantages, loss_type=args.loss_type, epsilon=args.epsilon,

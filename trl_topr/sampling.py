@@ -422,6 +422,7 @@ def sample_with_engine(
     behavior = behavior_logps(
         model, tokenized, pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else
         tokenizer.eos_token_id, batch_size=settings.batch_size, autocast=training_autocast(args, model.device),
+        padding_free=args.padding_free,  # as the trainer of these samples will compute log pi
     )  # fmt: skip
     samples = samples.add_column(BEHAVIOR_LOGPS, behavior)
     if out.logprobs is not None:

@@ -16,7 +16,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import SFTTrainer
 from trl.trainer.utils import get_config_model_id
 
-from .behavior import behavior_logps, completion_logps
+from .behavior import behavior_logps, completion_logps, completion_rows
 from .composition import baseline_for_positive_fraction
 from .config import CHECKPOINTING, TOPRConfig
 from .data import (
@@ -31,22 +31,24 @@ from .data import (
 )
 from .distributed import weights_fingerprint
 from .loss import combine_metrics, topr_loss
+from .padding_free import check_sequences_kept_apart
 
 
 logger = get_logger(__name__)
 
 
 @contextlib.contextmanager
-def _sft_loss_type(args: TOPRConfig):
+def _as_sft_sees_it(args: TOPRConfig):
     # `SFTTrainer.__init__` validates `args.loss_type` against its own nll/dft values, while TOPR's `loss_type` names
-    # the TOPR weighting. SFT's machinery (tokenization, PEFT, fused LM head) is built with its plain NLL setting, which
-    # our `compute_loss` replaces anyway, and TOPR's value is restored right after.
-    loss_type = args.loss_type
-    args.loss_type = "nll"
+    # the TOPR weighting; and with `padding_free` it refuses a `max_length` it would not enforce, while TOPR truncates
+    # every row itself (`check_and_truncate_tokens`) and brings its own collator. SFT's machinery (tokenization, PEFT,
+    # fused LM head) is built with its plain NLL, padded setting, and TOPR's values are restored right after.
+    loss_type, padding_free = args.loss_type, args.padding_free
+    args.loss_type, args.padding_free = "nll", False
     try:
         yield
     finally:
-        args.loss_type = loss_type
+        args.loss_type, args.padding_free = loss_type, padding_free
 
 
 def base_model_name(config) -> str:
@@ -200,7 +202,7 @@ class TOPRTrainer(SFTTrainer):
         else:
             self._vocab_size = model.get_input_embeddings().num_embeddings
 
-        with _sft_loss_type(args):
+        with _as_sft_sees_it(args):
             super().__init__(
                 model=model,
                 args=args,
@@ -213,9 +215,12 @@ class TOPRTrainer(SFTTrainer):
                 quantization_config=quantization_config,
             )
         self.data_collator = DataCollatorForTOPR(
-            pad_token_id=self._tokenizer.pad_token_id, pad_to_multiple_of=self.args.pad_to_multiple_of
-        )
+            pad_token_id=self._tokenizer.pad_token_id, padding_free=self.args.padding_free,
+            pad_to_multiple_of=self.args.pad_to_multiple_of,
+        )  # fmt: skip
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+        if self.args.padding_free:  # before any forward of flattened rows: the precompute's, training's
+            check_sequences_kept_apart(self.model, self._tokenizer.pad_token_id)
 
         # mu defaults to the initial policy: computed now, before any update and before a checkpoint is loaded.
         self.train_dataset = self._maybe_precompute_behavior_logps(self.train_dataset, "train")
@@ -348,7 +353,7 @@ class TOPRTrainer(SFTTrainer):
             batch_size=self.args.precompute_behavior_batch_size or self.args.per_device_eval_batch_size,
             # the mixed precision training will run in: the model is not wrapped by `accelerator.prepare` yet
             autocast=self.accelerator.autocast(), training_engine=getattr(self, "deepspeed", None),
-            checkpointing_kwargs=getattr(self.args, f"{CHECKPOINTING}_kwargs"),
+            checkpointing_kwargs=getattr(self.args, f"{CHECKPOINTING}_kwargs"), padding_free=self.args.padding_free,
         )  # fmt: skip
         if cache_file is None:
             return dataset.add_column(BEHAVIOR_LOGPS, values)
@@ -362,7 +367,7 @@ class TOPRTrainer(SFTTrainer):
         per_token_logps, completion_mask, outputs = completion_logps(model, inputs)
         behavior_logps = inputs["behavior_logps"]
         if behavior_logps.dim() == 2:  # per-token values sit at their tokens' positions; log-probs are shifted by one
-            behavior_logps = behavior_logps[:, 1:]
+            behavior_logps, _ = completion_rows(behavior_logps[:, 1:], inputs)
         # In training, `Trainer` counts the completion tokens of the whole accumulated batch (of every process, with
         # `average_tokens_across_devices`): a token mean over it makes the update independent of how the batch is
         # split into micro-batches and processes, as in TRL's SFT.
@@ -388,7 +393,7 @@ class TOPRTrainer(SFTTrainer):
             else:  # a mean over this micro-batch's sequences (or tokens): average the micro-batches
                 # (set by `Trainer.train`; a direct call outside it gets the configured value)
                 loss = loss / getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
-        entropy = outputs.entropy[:, -per_token_logps.size(1) :].detach()
+        entropy, _ = completion_rows(outputs.entropy[:, 1 - inputs["input_ids"].size(1) :].detach(), inputs)
         metrics["entropy"] = torch.where(completion_mask, entropy, 0.0).sum() / completion_mask.sum().clamp(min=1)
         record_metrics(self.accelerator, self._metrics[mode], metrics)
         return (loss, outputs) if return_outputs else loss

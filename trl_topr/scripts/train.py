@@ -143,6 +143,7 @@ def completion_logprobs(trainer) -> dict[str, float]:
         pad_token_id=getattr(trainer.processing_class, "tokenizer", trainer.processing_class).pad_token_id,
         batch_size=trainer.args.per_device_eval_batch_size,
         autocast=trainer.accelerator.autocast(), training_engine=getattr(trainer, "deepspeed", None),
+        padding_free=trainer.args.padding_free,
     )  # fmt: skip
     sums = {"positives": [], "negatives": []}
     for row, reward in zip(values, dataset["reward"], strict=True):
