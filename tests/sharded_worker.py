@@ -27,7 +27,7 @@ def reapply_fsdp_plugin():
 
 
 def main(engine: str, tests_dir: str, model_path: str, other_model_path: str, data_path: str, output_dir: str,
-         lora: bool):
+         lora: bool, padding_free: bool):
     sys.path.insert(0, tests_dir)
     if engine == "fsdp2":
         reapply_fsdp_plugin()
@@ -44,7 +44,8 @@ def main(engine: str, tests_dir: str, model_path: str, other_model_path: str, da
     result = {}
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear") if lora else None
     def args(name):  # one configuration per trainer, as TrainingArguments set up accelerate's state
-        return make_args(output / name, max_steps=6, per_device_train_batch_size=2, learning_rate=1e-2)
+        return make_args(output / name, max_steps=6, per_device_train_batch_size=2, learning_rate=1e-2,
+                         padding_free=padding_free)
 
     # A different model on the same file dataset: its behavior log-probs must not come from the first one's cache.
     other = TOPRTrainer(other_model_path, args=args("other"), train_dataset=Dataset.from_json(data_path))
@@ -71,7 +72,7 @@ def main(engine: str, tests_dir: str, model_path: str, other_model_path: str, da
 
     prompts = Dataset.from_dict({"prompt": [f"What is {i} + 3?" for i in range(6)],
                                  "answer": [str(i + 3) for i in range(6)]})
-    loop_args = make_args(output / "loop", max_steps=-1, per_device_train_batch_size=2)
+    loop_args = make_args(output / "loop", max_steps=-1, per_device_train_batch_size=2, padding_free=padding_free)
     result["rounds"] = run_topr_loop(
         model_path, prompts, correct, loop_args, num_rounds=2, peft_config=peft_config, replay_rounds=1,
         eval_prompts=prompts.select(range(5)),  # an odd number: uneven shares on 2 processes
@@ -85,8 +86,9 @@ def main(engine: str, tests_dir: str, model_path: str, other_model_path: str, da
 
 
 if __name__ == "__main__":
-    engine, tests_dir, model_path, other_model_path, data_path, output_dir, lora = sys.argv[1:8]
-    main(engine, tests_dir, model_path, other_model_path, data_path, output_dir, lora == "lora")
+    engine, tests_dir, model_path, other_model_path, data_path, output_dir, lora, layout = sys.argv[1:9]
+    main(engine, tests_dir, model_path, other_model_path, data_path, output_dir, lora == "lora",
+         layout == "padding_free")
     from conftest import end_processes  # the tests' folder is on the path by now
 
     end_processes()

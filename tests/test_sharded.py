@@ -88,12 +88,12 @@ def single_process(models, tmp_path_factory):
     return {"behavior": behavior, "weights": {k: v.clone() for k, v in trainer.model.state_dict().items()}}
 
 
-def launch(engine: str, models, folder: Path, lora: bool = False) -> dict:
+def launch(engine: str, models, folder: Path, lora: bool = False, padding_free: bool = False) -> dict:
     data().to_json(str(folder / "data.jsonl"))
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(accelerate_config(engine, folder)), str(Path(__file__).parent / "sharded_worker.py"), engine,
                str(Path(__file__).parent), *models, str(folder / "data.jsonl"), str(folder / "out"),
-               "lora" if lora else "full"]
+               "lora" if lora else "full", "padding_free" if padding_free else "padded"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
@@ -130,6 +130,21 @@ def check_common(result, single, folder):
 ENGINES = ["ddp", "zero2", "zero3", "fsdp2"]
 
 
+def check_weights(folder: Path, single, models, engine: str, layout: str = "") -> None:
+    saved = load_file(str(folder / "out" / "model" / "model.safetensors"))
+    assert set(saved) == set(single["weights"])  # whole weights, not shards (the tiny model ties none)
+    for name, want in single["weights"].items():
+        torch.testing.assert_close(saved[name].float(), want.float(), atol=WEIGHTS_ATOL, rtol=0)
+    initial = load_file(str(Path(models[0]) / "model.safetensors"))
+    update_1 = torch.cat([(single["weights"][n].float() - initial[n].float()).flatten() for n in initial])
+    update_2 = torch.cat([(saved[n].float() - initial[n].float()).flatten() for n in initial])
+    relative = ((update_2 - update_1).norm() / update_1.norm()).item()
+    # the figures of docs/distributed.md: `pytest -s tests/test_sharded.py -k full` prints them
+    print(f"{engine}{layout}: weights moved up to {update_1.abs().max().item():.1e}; 2 processes vs 1: max "
+          f"{(update_2 - update_1).abs().max().item():.1e}, relative {relative:.1e}")
+    assert relative < UPDATE_RTOL
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ENGINES)
 def test_full_fine_tuning_matches_one_process(engine, models, single_process, tmp_path):
@@ -138,18 +153,19 @@ def test_full_fine_tuning_matches_one_process(engine, models, single_process, tm
     assert result["engine"]["deepspeed"] == engine.startswith("zero")
     assert result["partitioned"] == (engine == "zero3")
     assert result["engine"]["fsdp"] == result["engine"]["dtensor"] == (engine == "fsdp2")
-    saved = load_file(str(tmp_path / "out" / "model" / "model.safetensors"))
-    assert set(saved) == set(single_process["weights"])  # whole weights, not shards (the tiny model ties none)
-    for name, want in single_process["weights"].items():
-        torch.testing.assert_close(saved[name].float(), want.float(), atol=WEIGHTS_ATOL, rtol=0)
-    initial = load_file(str(Path(models[0]) / "model.safetensors"))
-    update_1 = torch.cat([(single_process["weights"][n].float() - initial[n].float()).flatten() for n in initial])
-    update_2 = torch.cat([(saved[n].float() - initial[n].float()).flatten() for n in initial])
-    relative = ((update_2 - update_1).norm() / update_1.norm()).item()
-    # the figures of docs/distributed.md: `pytest -s tests/test_sharded.py -k full` prints them
-    print(f"{engine}: weights moved up to {update_1.abs().max().item():.1e}; 2 processes vs 1: max "
-          f"{(update_2 - update_1).abs().max().item():.1e}, relative {relative:.1e}")
-    assert relative < UPDATE_RTOL
+    check_weights(tmp_path, single_process, models, engine)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["ddp", "zero3", "fsdp2"])
+def test_padding_free_matches_one_padded_process(engine, models, single_process, tmp_path):
+    # every step of the checklist padding-free (training, the precompute, evaluate, the loop with replay), against
+    # one padded process: the same behavior log-probs and trained weights
+    result = launch(engine, models, tmp_path, padding_free=True)
+    check_common(result, single_process, tmp_path)
+    assert result["partitioned"] == (engine == "zero3")
+    assert result["engine"]["fsdp"] == result["engine"]["dtensor"] == (engine == "fsdp2")
+    check_weights(tmp_path, single_process, models, engine, " padding-free")
 
 
 @pytest.mark.slow
