@@ -7,6 +7,7 @@
     python benchmarks/cost.py --device cuda --arch qwen2.5-0.5b --trainers SFT TOPR [--qlora]
                                                  # on a GPU: Qwen2.5-0.5B's architecture, bf16 (or NF4 QLoRA)
     python benchmarks/cost.py ... --profile      # also each trainer's top operators by self time (torch.profiler)
+    python benchmarks/cost.py --mix              # uneven lengths: tokens/s padded, padding-free, length-grouped
 
 Every row trains, from the same saved weights and seed, on one dataset of prompt (32 tokens) / completion (L tokens)
 rows with rewards +-1 and per-token `behavior_logps` (computed once with the initial model):
@@ -36,8 +37,22 @@ each trainer's total and its operators with the most self time (on CUDA: the dev
 on CPU: CPU time): where a trainer's step goes, to explain a ratio. The profiler's overhead makes those steps slower;
 their times still enter s/step.
 
+--mix measures the layouts of a batch on completions of very uneven lengths, like the paper's samples (up to 512 new
+tokens, right and wrong answers of different lengths): completion lengths drawn log-uniformly from 4 to --max_length
+tokens (default 512; 128 with --quick), prompts of 32 tokens, rewards +-1, per-token behavior log-probs. Each arm
+trains two epochs from the same weights and seed; tokens/s is the dataset's tokens (prompt + completion, no padding)
+over the time of the second epoch's steps, in which every arm trains every row once:
+  SFT-pf        SFTTrainer, padding_free=True (TRL's flattened rows; max_length=None, as TRL requires there)
+  TOPR          TOPRTrainer, padded batches of random rows (the same batches as SFT-pf's, in the same order)
+  TOPR-pf       TOPRTrainer, padding_free=True
+  TOPR-grouped  TOPRTrainer, padded batches of similar lengths: the rows in the order transformers' length-grouped
+                sampler (`train_sampling_strategy="group_by_length"`) gives a large dataset, i.e. sorted by length
+                in megabatches of 50 batches (here the whole dataset is one), trained in that order. (On a dataset
+                of fewer than 200 batches the sampler itself groups in smaller megabatches, and pads more.)
+"padded share" is the share of padding in the tokens of the collated batches (`input_ids`) of each padded arm.
+
 Writes `results.json` (every run's step times, totals and peaks) and `table.md`, with their provenance, to --out
-(default benchmarks/results/cost, cost-cuda on a GPU, outputs/ with --quick).
+(default benchmarks/results/cost, cost-mix with --mix, cost-cuda on a GPU, outputs/ with --quick).
 """
 
 import argparse
@@ -59,6 +74,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT_TOKENS = 32
 TRAINERS = ["SFT", "TOPR", "TOPR+pre", "KTO"]
+MIX_TRAINERS = ["SFT-pf", "TOPR", "TOPR-pf", "TOPR-grouped"]
+# What each arm of --mix changes in its trainer's configuration (the grouped arm's rows come in grouped order)
+LAYOUTS = {"-pf": {"padding_free": True}, "-grouped": {"train_sampling_strategy": "sequential"}}
 
 
 ARCHS = {
@@ -114,6 +132,37 @@ def make_rows(folder: str, length: int, n: int) -> dict:
     assert all(len(tok(c, add_special_tokens=False)["input_ids"]) == length for c in rows["completion"])
     rows["reward"] = [1.0 if i % 2 == 0 else -1.0 for i in range(n)]
     return rows
+
+
+def make_mixed_rows(folder: str, n: int, max_length: int) -> dict:
+    """`n` rows of PROMPT_TOKENS + a completion of 4 to `max_length` tokens, drawn log-uniformly (seeded)."""
+    import math
+    import random
+
+    rng = random.Random(0)
+    lengths = [round(math.exp(rng.uniform(math.log(4), math.log(max_length)))) for _ in range(n)]
+    rows = {"prompt": [], "completion": []}
+    for length in sorted(set(lengths)):
+        same = make_rows(folder, length, lengths.count(length))
+        rows["prompt"] += same["prompt"]
+        rows["completion"] += same["completion"]
+    order = rng.sample(range(n), n)  # lengths in no particular order
+    rows = {k: [v[i] for i in order] for k, v in rows.items()}
+    rows["reward"] = [1.0 if i % 2 == 0 else -1.0 for i in range(n)]
+    return rows
+
+
+def length_grouped(rows: dict, batch: int) -> dict:
+    """
+    `rows` in the order transformers' length-grouped sampler gives a dataset of at least 200 batches: shuffled, sorted
+    by length (longest first) in megabatches of 50 batches, the longest batch first (seeded).
+    """
+    import torch
+    from transformers.trainer_pt_utils import get_length_grouped_indices
+
+    lengths = [len(prompt) + len(completion) for prompt, completion in zip(rows["prompt"], rows["completion"])]
+    order = get_length_grouped_indices(lengths, batch, mega_batch_mult=50, generator=torch.Generator().manual_seed(0))
+    return {k: [v[i] for i in order] for k, v in rows.items()}
 
 
 def bf16(fp32: bool, device: str = "cpu") -> bool:
@@ -205,6 +254,11 @@ def worker(spec: dict) -> dict:
 
     rows = json.loads(Path(spec["data"]).read_text())
     name, model, kw = spec["trainer"], spec["model"], common_args(spec)
+    for suffix, options in LAYOUTS.items():
+        if name.endswith(suffix):
+            name, kw = name[: -len(suffix)], {**kw, **options}
+    if name == "SFT" and kw.get("padding_free"):
+        kw["max_length"] = None  # TRL's SFT enforces no max_length padding-free without packing (rows are shorter)
     qlora = qlora_configs(spec)
     threading.Thread(target=sample, daemon=True).start()
     start = time.perf_counter()
@@ -221,11 +275,21 @@ def worker(spec: dict) -> dict:
             rows = {k: v for k, v in rows.items() if k != "behavior_logps"}
         trainer = TOPRTrainer(model, args=TOPRConfig(**kw), train_dataset=Dataset.from_dict(rows),
                               callbacks=[Timer()], **qlora)
+    collate, held = trainer.data_collator, []  # the tokens each collated batch holds, padding included
+
+    def counting(examples):
+        batch = collate(examples)
+        held.append(batch["input_ids"].numel())
+        return batch
+
+    trainer.data_collator = counting
     trainer.train()
     total = time.perf_counter() - start
     done.set()
     peak_mb = torch.cuda.max_memory_allocated() / 2**20 if cuda else (peak[0] - base) / 2**20
-    result = {"times": times, "total": total, "peak_mb": peak_mb}
+    result = {"times": times, "total": total, "peak_mb": peak_mb, "held_tokens": sum(held),
+              "dataset_tokens": sum(len(ids) for ids in trainer.train_dataset["input_ids"])
+              if "input_ids" in trainer.train_dataset.column_names else None}  # KTO tokenizes into other columns
     if profiler[0] is not None:
         profiler[0].__exit__(None, None, None)
         result["profile"] = top_operators(profiler[0], cuda, steps=len(times) - 1)
@@ -308,16 +372,21 @@ def main(argv=None) -> str:
     parser.add_argument("--qlora", action="store_true", help="4-bit NF4 base + LoRA for SFT and TOPR (CUDA)")
     parser.add_argument("--trainers", nargs="+", choices=TRAINERS, default=TRAINERS, help="trainers to compare")
     parser.add_argument("--profile", action="store_true", help="print each trainer's top operators (torch.profiler)")
-    parser.add_argument("--out", help="results folder (default: benchmarks/results/cost[-cuda][-qlora][-profile], "
-                                      "outputs/ with --quick)")
+    parser.add_argument("--mix", action="store_true", help="uneven completion lengths: tokens/s of batch layouts")
+    parser.add_argument("--max_length", type=int, help="--mix: longest completion (default 512, 128 with --quick)")
+    parser.add_argument("--out", help="results folder (default: benchmarks/results/cost[-mix][-cuda][-qlora]"
+                                      "[-profile], outputs/ with --quick)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    name = "cost" + "-cuda" * (args.device == "cuda") + "-qlora" * args.qlora + "-profile" * args.profile
+    name = "cost" + "-mix" * args.mix + "-cuda" * (args.device == "cuda") + "-qlora" * args.qlora
+    name += "-profile" * args.profile
     out = Path(args.out or ROOT / (f"outputs/{name}-quick" if args.quick else f"benchmarks/results/{name}"))
     started = time.time()
     if args.worker:
         print("RESULT " + json.dumps(worker(json.loads(Path(args.worker).read_text()))), flush=True)
         return ""
+    if args.mix:
+        return mix_main(args, out, started, argv)
     if not {"SFT", "TOPR"} <= set(args.trainers):
         parser.error("--trainers must include SFT and TOPR (every ratio is TOPR's over another trainer's)")
     if args.qlora and (args.device != "cuda" or "KTO" in args.trainers):
@@ -410,6 +479,77 @@ def main(argv=None) -> str:
     save(out, {"results.json": {"title": title, "settings": settings, "cells": cells}, "table.md": report + "\n"},
          script=__file__, argv=argv, started=started)
     return table
+
+
+def mix_main(args, out: Path, started: float, argv) -> str:
+    """--mix: tokens/s of each batch layout on uneven lengths (see the module's docstring)."""
+    arch = args.arch or ("tiny" if args.quick else "small")
+    longest = args.max_length or (128 if args.quick else 512)
+    batches = args.batches or ([4] if args.quick else [8, 16])
+    steps_per_epoch = args.steps or (3 if args.quick else 8)
+    t0 = time.perf_counter()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = build_model(str(Path(tmp) / "model"), arch)
+        for batch in batches:
+            spec = {"model": folder, "length": longest, "batch": batch, "steps": 2 * steps_per_epoch,
+                    "fp32": args.fp32, "device": args.device, "out": str(Path(tmp) / "out"),
+                    "data": str(Path(tmp) / f"data-{batch}.json")}
+            rows = make_mixed_rows(folder, steps_per_epoch * batch, longest)
+            rows["behavior_logps"] = behavior_logps(folder, rows, spec)
+            Path(spec["data"]).write_text(json.dumps(rows))
+            grouped = str(Path(tmp) / f"data-{batch}-grouped.json")
+            Path(grouped).write_text(json.dumps(length_grouped(rows, batch)))
+            runs = {name: [] for name in MIX_TRAINERS}
+            for rep in range(args.reps):
+                shift = rep % len(MIX_TRAINERS)
+                for name in MIX_TRAINERS[shift:] + MIX_TRAINERS[:shift]:
+                    data = grouped if name.endswith("-grouped") else spec["data"]
+                    runs[name].append(run_worker(dict(spec, trainer=name, data=data)))
+            tokens = {r["dataset_tokens"] for name in runs for r in runs[name]}
+            assert len(tokens) == 1, f"the arms trained different tokens: {runs}"  # the same rows, tokenized alike
+            results.append((batch, tokens.pop(), runs))
+            print(f"done B={batch} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+
+    def rate(runs, tokens):  # the second epoch: every row once; median over the repetitions
+        return statistics.median(tokens / sum(r["times"][steps_per_epoch:]) for r in runs)
+
+    header = ["batch", "rows", "tokens/epoch", "padded share TOPR", "padded share TOPR-grouped",
+              *(f"{n} tok/s" for n in MIX_TRAINERS), "TOPR-pf/SFT-pf", "TOPR-pf/TOPR", "TOPR-grouped/TOPR",
+              "mem TOPR-pf/TOPR"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for batch, tokens, runs in results:
+        rates = {name: rate(r, tokens) for name, r in runs.items()}
+        padded = {name: 1 - 2 * tokens / runs[name][0]["held_tokens"] for name in ("TOPR", "TOPR-grouped")}
+        mem = {name: statistics.median(r["peak_mb"] for r in runs[name]) for name in ("TOPR", "TOPR-pf")}
+        cells = [batch, steps_per_epoch * batch, tokens, f"{padded['TOPR']:.0%}", f"{padded['TOPR-grouped']:.0%}",
+                 *(f"{rates[name]:.0f}" for name in MIX_TRAINERS), f"{rates['TOPR-pf'] / rates['SFT-pf']:.2f}",
+                 f"{rates['TOPR-pf'] / rates['TOPR']:.2f}", f"{rates['TOPR-grouped'] / rates['TOPR']:.2f}",
+                 f"{mem['TOPR-pf'] / mem['TOPR']:.2f}"]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    table = "\n".join(lines)
+    precision = "bf16 autocast" if bf16(args.fp32, args.device) else "fp32"
+    where = torch_device_name(args.device)
+    title = (f"{ARCHS[arch]}, {precision}, {where}, prompt {PROMPT_TOKENS} tokens, completions of 4-{longest} tokens "
+             f"(log-uniform), {steps_per_epoch} steps an epoch, tokens/s over epoch 2 of 2, {args.reps} rep(s); "
+             f"{time.perf_counter() - t0:.0f} s in all")
+    report = f"{title}\n\n{table}"
+    print(report)
+    cells = [{"batch": batch, "tokens": tokens, "runs": runs} for batch, tokens, runs in results]
+    settings = {"arch": ARCHS[arch], "precision": precision, "device": where, "prompt_tokens": PROMPT_TOKENS,
+                "max_completion_tokens": longest, "steps_per_epoch": steps_per_epoch, "reps": args.reps}
+    save(out, {"results.json": {"title": title, "settings": settings, "cells": cells}, "table.md": report + "\n"},
+         script=__file__, argv=argv, started=started)
+    return table
+
+
+def torch_device_name(device: str) -> str:
+    """The GPU's name on CUDA, else "CPU"."""
+    if device != "cuda":
+        return "CPU"
+    import torch
+
+    return torch.cuda.get_device_name()
 
 
 if __name__ == "__main__":

@@ -52,6 +52,25 @@ def test_cost_benchmark_prints_ratio_table(capsys, tmp_path):
     assert table in (tmp_path / "table.md").read_text()
 
 
+def test_cost_benchmark_compares_batch_layouts_on_uneven_lengths(capsys, tmp_path):
+    options = ["--mix", "--quick", "--steps", "2", "--batches", "3", "--max_length", "48", "--out", str(tmp_path)]
+    table = load("cost").main(options)
+    assert table in capsys.readouterr().out
+    header, _rule, row = table.splitlines()
+    cells = dict(zip(header.strip("|").split("|"), row.strip("|").split("|")))
+    cells = {name.strip(): value.strip() for name, value in cells.items()}
+    for name in ("SFT-pf tok/s", "TOPR tok/s", "TOPR-pf tok/s", "TOPR-grouped tok/s", "TOPR-pf/SFT-pf"):
+        assert float(cells[name]) > 0
+    check_provenance(tmp_path, "python benchmarks/cost.py " + " ".join(options))
+    (cell,) = json.loads((tmp_path / "results.json").read_text())["cells"]
+    runs = cell["runs"]
+    # padding-free batches hold exactly the dataset's tokens (two epochs); padded ones more, grouped ones less so
+    for name in ("SFT-pf", "TOPR-pf"):
+        assert runs[name][0]["held_tokens"] == 2 * cell["tokens"]
+    assert runs["TOPR"][0]["held_tokens"] > runs["TOPR-grouped"][0]["held_tokens"] > 2 * cell["tokens"]
+    assert len(runs["TOPR"][0]["times"]) == 4  # 2 steps an epoch, 2 epochs
+
+
 def test_cost_benchmark_profiles_each_trainer(capsys, tmp_path):
     load("cost").main(["--quick", "--steps", "3", "--lengths", "16", "--batches", "2", "--trainers", "SFT", "TOPR",
                        "--profile", "--out", str(tmp_path)])

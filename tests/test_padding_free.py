@@ -1,6 +1,7 @@
-"""Padding-free TOPR (`padding_free=True`): rows laid end to end, the loss still per sequence. Checked against the padded
-path on batches of very different lengths: per-sequence log-probs, loss, metrics and trained weights; the behavior
-precompute; and a model that lets flattened rows attend to one another is refused before anything is written."""
+"""Padding-free TOPR (`padding_free=True`): rows laid end to end, the loss still per sequence. Checked against the
+padded path on batches of very different lengths: per-sequence log-probs, loss, metrics and trained weights; the
+behavior precompute; and a model that lets flattened rows attend to one another is refused before anything is
+written."""
 
 import math
 
@@ -34,7 +35,8 @@ def uneven_dataset() -> Dataset:
 
 def with_behavior(dataset: Dataset, trainer: TOPRTrainer, shift: float, per_token: bool) -> Dataset:
     # the trainer's own per-token log-probs, raised by `shift` (times 1 to 3) per token: mu above pi, ratios below 1
-    values = [[v + shift * (1 + (i % 3)) for v in row] for i, row in enumerate(trainer.train_dataset["behavior_logps"])]
+    behavior = trainer.train_dataset["behavior_logps"]
+    values = [[v + shift * (1 + (i % 3)) for v in row] for i, row in enumerate(behavior)]
     order = trainer.train_dataset["prompt"]
     by_prompt = dict(zip(order, values, strict=True))
     column = [by_prompt[p] for p in dataset["prompt"]]
@@ -55,7 +57,8 @@ def test_collator_lays_rows_end_to_end_with_their_rewards_and_behavior(tiny_mode
     assert torch.equal(flat["input_ids"][0], padded["input_ids"][padded["attention_mask"].bool()])
     assert torch.equal(flat["rewards"], padded["rewards"])
     # per-token behavior log-probs sit at their tokens in both layouts
-    assert torch.equal(flat["behavior_logps"][flat["labels"] != -100], padded["behavior_logps"][padded["labels"] != -100])
+    completion = flat["labels"] != -100, padded["labels"] != -100
+    assert torch.equal(flat["behavior_logps"][completion[0]], padded["behavior_logps"][completion[1]])
     # the rows are found again from the positions: one per example, each with its completion tokens in order
     rows, mask = completion_rows(flat["behavior_logps"][:, 1:], flat)
     want, want_mask = padded["behavior_logps"][:, 1:], padded["labels"][:, 1:] != -100
@@ -97,8 +100,8 @@ def trained(model_path, dataset, folder, padding_free, **kwargs):
     "options",
     [
         {},  # sequence-level ratio, per-sequence length normalization: the paper's
-        {"per_token": True, "ratio_level": "token", "loss_normalization": "token_mean", "gradient_accumulation_steps": 2,
-         "per_device_train_batch_size": 2},
+        {"per_token": True, "ratio_level": "token", "loss_normalization": "token_mean",
+         "gradient_accumulation_steps": 2, "per_device_train_batch_size": 2},
         {"per_token": True, "loss_type": "tis", "loss_normalization": "sum", "baseline": 0.25},
     ],
     ids=["paper", "token-ratio-token-mean-accumulated", "tis-sum"],

@@ -85,8 +85,9 @@ def check_sequences_kept_apart(model: torch.nn.Module, pad_token_id: int) -> Non
         raise ValueError(
             f"`padding_free=True` needs a model that keeps the rows of a batch apart when they are laid end to end, "
             f"but {type(base).__name__} with attn_implementation={base.config._attn_implementation!r} lets them "
-            f"attend to one another: a row's log-probs moved by {gap:.3g} on average (by {mixed:.3g} when it sees the "
-            "row before it). Its positions or mask do not come from `position_ids`. Train padded (`padding_free=False`), "
-            "with `group_by_length=True` to cut the padding, or try another `attn_implementation` in "
-            "`model_init_kwargs` (e.g. 'flash_attention_2' on a GPU, 'sdpa', 'eager')."
+            f"attend to one another: a row's log-probs moved by {gap:.3g} on average (by {mixed:.3g} when it sees "
+            "the row before it). Its positions or mask do not come from `position_ids`. Train padded "
+            "(`padding_free=False`), with `train_sampling_strategy='group_by_length'` to cut the padding, or try "
+            "another `attn_implementation` in `model_init_kwargs` (e.g. 'flash_attention_2' on a GPU, 'sdpa', "
+            "'eager')."
         )
