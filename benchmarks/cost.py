@@ -485,8 +485,8 @@ def mix_main(args, out: Path, started: float, argv) -> str:
     """--mix: tokens/s of each batch layout on uneven lengths (see the module's docstring)."""
     arch = args.arch or ("tiny" if args.quick else "small")
     longest = args.max_length or (128 if args.quick else 512)
-    batches = args.batches or ([4] if args.quick else [8, 16])
-    steps_per_epoch = args.steps or (3 if args.quick else 8)
+    batches = args.batches or ([4] if args.quick else [8, 32])
+    steps_per_epoch = args.steps or (3 if args.quick else 6)
     t0 = time.perf_counter()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
