@@ -85,9 +85,9 @@ def span(values: list[float], digits: int = 2) -> str:
     return low if low == high else f"{low}-{high}"
 
 
-def met(values: list[float], target: float) -> str:
-    """How many of `values` are at most `target`: "all 4", "2 of 4", "none of 4"."""
-    count = sum(value <= target for value in values)
+def met(values: list[float], target: float, at_least: bool = False) -> str:
+    """How many of `values` are at most (`at_least`: at least) `target`: "all 4", "2 of 4", "none of 4"."""
+    count = sum(value >= target if at_least else value <= target for value in values)
     return f"all {count}" if count == len(values) else f"{count or 'none'} of {len(values)}"
 
 
@@ -438,6 +438,19 @@ QUOTES: dict[str, Callable[[], str]] = {
     "cost.pre_memory": lambda: span(column(cost_table(), "mem TOPR+pre/SFT")),
     "cost.kto": lambda: span(column(cost_table(), "TOPR/KTO")),
     "cost.kto_memory": lambda: span(column(cost_table(), "mem TOPR/KTO")),
+    "cost-mix.table": lambda: table("cost-mix"),
+    "cost-mix.command": lambda: provenance("cost-mix")["command"],
+    "cost-mix.time": lambda: duration(provenance("cost-mix")["seconds"]),
+    "cost-mix.machine": lambda: machine("cost-mix"),
+    "cost-mix.precision": lambda: load("cost-mix")["settings"]["precision"],
+    "cost-mix.vs_sft": lambda: span(column(table("cost-mix"), "TOPR-pf/SFT-pf")),
+    "cost-mix.vs_sft.met": lambda: met(column(table("cost-mix"), "TOPR-pf/SFT-pf"), 0.97, at_least=True),
+    "cost-mix.vs_padded": lambda: span(column(table("cost-mix"), "TOPR-pf/TOPR")),
+    "cost-mix.vs_padded.met": lambda: met(column(table("cost-mix"), "TOPR-pf/TOPR"), 1.0, at_least=True),
+    "cost-mix.grouped": lambda: span(column(table("cost-mix"), "TOPR-grouped/TOPR")),
+    "cost-mix.memory": lambda: span(column(table("cost-mix"), "mem TOPR-pf/TOPR")),
+    "cost-mix.padded_share": lambda: span(column(table("cost-mix"), "padded share TOPR"), 0) + "%",
+    "cost-mix.grouped_share": lambda: span(column(table("cost-mix"), "padded share TOPR-grouped"), 0) + "%",
     "sampling.table": lambda: table("sampling"),
     "sampling.machine": lambda: machine("sampling"),
     "sampling.sampler": lambda: ratio("sampling", "ratio (target >= 0.9)", 0),

@@ -7,12 +7,12 @@ import math
 
 import pytest
 import torch
-from conftest import make_args
+from conftest import DEVICES, make_args
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, OPTConfig, OPTForCausalLM
 
 from trl_topr import TOPRTrainer
-from trl_topr.behavior import completion_logps, completion_rows, with_fused_lm_head
+from trl_topr.behavior import completion_logps, completion_rows, to_device, with_fused_lm_head
 from trl_topr.data import DataCollatorForTOPR
 from trl_topr.padding_free import check_sequences_kept_apart, sequence_mixing
 
@@ -67,15 +67,17 @@ def test_collator_lays_rows_end_to_end_with_their_rewards_and_behavior(tiny_mode
         assert torch.equal(row[keep], other[other_keep])
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("pad_to_multiple_of", [None, 16])
-def test_per_sequence_logps_match_the_padded_path(tiny_model_path, tmp_path, pad_to_multiple_of):
+def test_per_sequence_logps_match_the_padded_path(tiny_model_path, tmp_path, pad_to_multiple_of, device):
     trainer = TOPRTrainer(tiny_model_path, args=make_args(tmp_path, shuffle_dataset=False),
                           train_dataset=uneven_dataset())
-    model = with_fused_lm_head(trainer.model).eval()
-    padded = batch_of(trainer, False)
+    model = with_fused_lm_head(trainer.model).eval().to(device)
+    check_sequences_kept_apart(model, trainer.processing_class.pad_token_id)  # on this device's attention kernels
+    padded = to_device(batch_of(trainer, False), device)
     collator = DataCollatorForTOPR(pad_token_id=trainer.processing_class.pad_token_id, padding_free=True,
                                    pad_to_multiple_of=pad_to_multiple_of)
-    flat = collator(list(trainer.train_dataset))
+    flat = to_device(collator(list(trainer.train_dataset)), device)
     if pad_to_multiple_of:
         assert flat["input_ids"].size(1) % pad_to_multiple_of == 0
     with torch.no_grad():

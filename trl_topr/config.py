@@ -212,6 +212,12 @@ class TOPRConfig(VLLMArguments, _ActivationCheckpointingName, SFTConfig):
     >   an accelerator, `use_cpu` is set.
     > - `activation_checkpointing`: Defaults to `True`, TRL's default for its deprecated alias
     >   `gradient_checkpointing` (set either; the new name avoids transformers' deprecation warning).
+
+    > [!NOTE]
+    > `padding_free=True` ([`~trl.SFTConfig`]'s option) lays each batch's rows end to end without padding; the loss,
+    > the ratio and the metrics stay per completion. The trainer checks at construction that the model keeps the rows
+    > apart ([`~trl_topr.padding_free.check_sequences_kept_apart`]). `packing=True` is refused: it would change the
+    > number of completions in each batch and drop each row's reward and behavior log-probs.
     """
 
     learning_rate: float = field(

@@ -312,6 +312,11 @@ class DataCollatorForTOPR(DataCollatorForLanguageModeling):
     - `"behavior_logps"`: tensor of shape `(B,)` for per-sequence values, or `(B, T)` for per-token values, placed
       at the positions of their tokens in `input_ids` (0 elsewhere).
 
+    With `padding_free=True` the rows are laid end to end as TRL's collator lays them (`input_ids`, `labels` and
+    `position_ids` of shape `(1, total length)`, no `attention_mask`); the rewards stay one per row, and per-token
+    behavior log-probs sit at their tokens in that one row. [`~trl_topr.behavior.completion_rows`] takes each
+    completion back out.
+
     Example:
     ```python
     >>> from trl_topr.data import DataCollatorForTOPR
