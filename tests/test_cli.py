@@ -138,10 +138,11 @@ def test_sample_command(tiny_model_path, tmp_path):
     assert len(rows) == 4 * 2
     for row in rows:
         assert {"prompt", "completion", "reward", "behavior_logps", "answer"} <= set(row)
-        assert {"length_reward", "gsm8k_reward", "gsm8k_invalid"} <= set(row)  # one column per reward function
+        per_func = {f"rewards/{name}" for name in ("length_reward", "gsm8k_reward", "gsm8k_invalid")}
+        assert per_func <= set(row)  # one column per reward function
         assert row["prompt"][0]["role"] == "user" and row["completion"][0]["role"] == "assistant"
-        assert row["reward"] == pytest.approx(0.5 * row["length_reward"] + row["gsm8k_reward"])
-        assert row["gsm8k_reward"] in (-1.0, 1.0) and row["gsm8k_invalid"] in (0.0, 1.0)
+        assert row["reward"] == pytest.approx(0.5 * row["rewards/length_reward"] + row["rewards/gsm8k_reward"])
+        assert row["rewards/gsm8k_reward"] in (-1.0, 1.0) and row["rewards/gsm8k_invalid"] in (0.0, 1.0)
         assert row["behavior_logps"] and all(math.isfinite(v) and v <= 0 for v in row["behavior_logps"])
     from datasets import load_dataset
 

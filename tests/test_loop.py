@@ -29,6 +29,11 @@ def correct(prompts, completions, answer, **kwargs):
     return [1.0 if last_number(text(c)) == a else -1.0 for c, a in zip(completions, answer)]
 
 
+def reward(prompts, completions, answer, **kwargs):
+    # `correct` under the name people reach for first: its column is `rewards/reward`, beside the combined `reward`
+    return correct(prompts, completions, answer)
+
+
 def prompts(n, offset=0):
     return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"What is {i} + 3?"}] for i in range(offset, offset + n)],
                               "answer": [str(i + 3) for i in range(offset, offset + n)]})
@@ -201,10 +206,10 @@ def test_loop_replays_earlier_rounds_with_the_behavior_logps_recorded_when_sampl
     args = make_args(tmp_path / "replay", per_device_train_batch_size=4, max_steps=-1, logging_steps=1,
                      learning_rate=1e-2)  # fmt: skip
     options = dict(sampling=SamplingSettings(num_samples=2, max_new_tokens=6), progress=False, replay_rounds=2)
-    rounds = run_topr_loop(tiny_model_path, prompts(3), correct, args, num_rounds=2, **options)
+    rounds = run_topr_loop(tiny_model_path, prompts(3), reward, args, num_rounds=2, **options)
     folder = tmp_path / "replay"
     (folder / "round-1" / "model.safetensors").unlink()  # replay reads rows, never an old round's weights
-    rounds = run_topr_loop(tiny_model_path, prompts(3), correct, args, num_rounds=3, **options)
+    rounds = run_topr_loop(tiny_model_path, prompts(3), reward, args, num_rounds=3, **options)
     assert [r["round"] for r in rounds] == [0, 1, 2, 3]
     assert "age_1/rows" not in rounds[1] and rounds[1]["age_0/rows"] == 6
     assert rounds[2]["age_0/rows"] == rounds[2]["age_1/rows"] == 6 and "age_2/rows" not in rounds[2]
@@ -219,6 +224,7 @@ def test_loop_replays_earlier_rounds_with_the_behavior_logps_recorded_when_sampl
     saved = [json.loads(line) for line in (folder / "round-1" / "train.jsonl").read_text().splitlines()]
     assert [r["behavior_logps"] for r in saved] == [r["behavior_logps"] for r in old] and all(
         r["sample_round"] == 1 for r in saved)
+    assert all(r["rewards/reward"] == r["reward"] in (1.0, -1.0) for r in saved)  # a function named `reward`
     model = AutoModelForCausalLM.from_pretrained(folder / "round-2")
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     pi = behavior_logps(model, [{"input_ids": r["prompt_ids"] + r["completion_ids"],

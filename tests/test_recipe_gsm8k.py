@@ -75,7 +75,7 @@ def test_real_gsm8k_rows_from_a_local_folder(tiny_model_path, tmp_path):
     train = [json.loads(line) for line in (GSM8K / "train.jsonl").read_text().splitlines()[:5]]
     assert samples[0]["prompt"][-1]["content"] == train[2]["question"]
     assert samples[0]["prompt"][2]["content"].endswith(f"The answer is {train[0]['answer'].split('#### ')[1]}.")
-    assert all(s["reward"] in (1.0, -1.0) and s["invalid"] in (0.0, 1.0) for s in samples)
+    assert all(s["reward"] in (1.0, -1.0) and s["rewards/invalid"] in (0.0, 1.0) for s in samples)
     assert rounds[1]["invalid_rate"] >= 0.0
 
 

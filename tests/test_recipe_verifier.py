@@ -81,7 +81,7 @@ def test_embedded_round_end_to_end(tiny_model_path, tmp_path, capsys):
         assert sample["label"] == truth[sample["question"], sample["solution"]]
         verdict = extract_verdict(sample["completion"][-1]["content"])
         assert sample["reward"] == (1.0 if verdict == ("correct" if sample["label"] else "incorrect") else -1.0)
-        assert sample["invalid"] == float(verdict is None)
+        assert sample["rewards/invalid"] == float(verdict is None)
 
     test_pass_at_1 = sum(r["correct"] for r in solutions["test"]) / len(solutions["test"])
     for when in ("before", "after"):  # the generator's solutions are the same before and after

@@ -39,11 +39,11 @@ def test_sampled_dataset_follows_the_data_contract(model_and_tokenizer, tmp_path
                               reward_weights=[1.0, 0.5], num_samples=4, max_new_tokens=12,
                               args=make_args(tmp_path), progress=False)
     assert len(data) == 12
-    assert {"prompt", "completion", "reward", "behavior_logps", "has_digit", "length_bonus", "answer"} <= set(
-        data.column_names)
+    assert {"prompt", "completion", "reward", "behavior_logps", "rewards/has_digit", "rewards/length_bonus",
+            "answer"} <= set(data.column_names)
     assert list(data["answer"]) == ["3"] * 4 + ["4"] * 4 + ["5"] * 4  # prompt columns follow their samples
     for row in data:
-        assert row["reward"] == pytest.approx(row["has_digit"] + 0.5 * row["length_bonus"])
+        assert row["reward"] == pytest.approx(row["rewards/has_digit"] + 0.5 * row["rewards/length_bonus"])
         assert all(v <= 0 and math.isfinite(v) for v in row["behavior_logps"])
         assert isinstance(row["completion"], list) == conversational
 
@@ -143,6 +143,51 @@ def test_model_given_as_a_path(tiny_model_path, tmp_path):
     data = sample_completions(tiny_model_path, prompts(False, 2), has_digit, num_samples=2, max_new_tokens=6,
                               args=make_args(tmp_path), progress=False)
     assert len(data) == 4 and len(data["behavior_logps"]) == 4
+
+
+def named(name: str, value: float):
+    # A reward function called `name`, returning `value` for every completion
+    def func(prompts, completions, **kwargs):
+        return [value] * len(completions)
+
+    func.__name__ = func.__qualname__ = name
+    return func
+
+
+@pytest.mark.parametrize("name", ["reward", "answer", "prompt", "completion", "behavior_logps", "completion_ids"])
+def test_reward_functions_of_any_name_sample_and_train(name, model_and_tokenizer, tmp_path):
+    # A function named like a column of the data contract, or like a prompt column (`answer`), gets its own
+    # `rewards/<name>` column and changes no other column.
+    model, tokenizer = model_and_tokenizer
+    data = sample_completions(model, prompts(False, 2), [has_digit, named(name, 0.25)], processing_class=tokenizer,
+                              num_samples=2, max_new_tokens=6, args=make_args(tmp_path), progress=False)
+    assert data[f"rewards/{name}"] == [0.25] * 4
+    assert data["reward"] == pytest.approx([r + 0.25 for r in data["rewards/has_digit"]])
+    assert data["answer"] == ["3", "3", "4", "4"] and data["prompt"][0] == "What is 0 + 3?"
+    assert all(isinstance(c, str) for c in data["completion"]) and all(data["completion_ids"])
+    trainer = TOPRTrainer(model, args=make_args(tmp_path / "train", max_steps=1), train_dataset=data,
+                          processing_class=tokenizer)
+    trainer.train()
+    assert math.isfinite(trainer.state.log_history[0]["loss"])
+
+
+def test_a_sampled_dataset_samples_again(model_and_tokenizer, tmp_path):
+    # Sampling's own columns in the prompts (ids, log-probs, rewards) are replaced, not passed to the functions twice
+    model, tokenizer = model_and_tokenizer
+    first = sample_completions(model, prompts(False, 2), has_digit, processing_class=tokenizer, num_samples=2,
+                               max_new_tokens=6, args=make_args(tmp_path), progress=False)
+    again = sample_completions(model, first, [has_digit, named("bonus", 1.0)], processing_class=tokenizer,
+                               num_samples=1, max_new_tokens=6, args=make_args(tmp_path), progress=False)
+    assert len(again) == 4 and again["rewards/bonus"] == [1.0] * 4
+    assert sorted(again.column_names) == sorted({*first.column_names, "rewards/bonus"})
+
+
+def test_two_reward_functions_of_one_name_are_both_named(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    with pytest.raises(ValueError, match=r"Two reward functions are named 'reward': .*\.reward \(reward function 0\) "
+                                         r"and .*\.reward \(reward function 2\).*pass a dict"):
+        sample_completions(model, prompts(False, 2), [named("reward", 1.0), has_digit, named("reward", 2.0)],
+                           processing_class=tokenizer, progress=False)
 
 
 def test_score_completions_combines_ignores_none_and_names_columns():

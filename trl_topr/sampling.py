@@ -41,20 +41,55 @@ from .precision import training_autocast
 logger = get_logger(__name__)
 
 SAMPLER_LOGPS = "sampler_logps"
+REWARD_COLUMNS_PREFIX = "rewards/"
 RewardFuncs = Callable | list[Callable] | dict[str, Callable]
+
+
+def reward_column(name: str) -> str:
+    """
+    The column of a sampled dataset that holds one reward function's values: `rewards/<name>`, the name TRL's GRPO logs
+    them under. The prefix keeps them apart from the data contract's columns (`reward`, `prompt`, ...) and from the
+    prompts' own columns, whatever the functions are called.
+
+    Args:
+        name (`str`):
+            The reward function's name (its `__name__`, or its key in a dict of reward functions).
+
+    Returns:
+        `str`: the column name.
+    """
+    return f"{REWARD_COLUMNS_PREFIX}{name}"
+
+
+def _describe(func: Callable) -> str:
+    # Where a reward function comes from, to tell two functions of one name apart
+    module, name = getattr(func, "__module__", None), getattr(func, "__qualname__", type(func).__qualname__)
+    return f"{module}.{name}" if module else name
 
 
 def _named_reward_funcs(reward_funcs: RewardFuncs) -> dict[str, Callable]:
     if callable(reward_funcs):
         reward_funcs = [reward_funcs]
     if isinstance(reward_funcs, dict):
-        return dict(reward_funcs)
-    named = {}
-    for func in reward_funcs:
-        name = getattr(func, "__name__", type(func).__name__)
-        if name in named:
-            raise ValueError(f"Two reward functions are named {name!r}: pass a dict to name their columns.")
-        named[name] = func
+        named = dict(reward_funcs)
+    else:
+        named, positions = {}, {}
+        for position, func in enumerate(reward_funcs):
+            name = getattr(func, "__name__", type(func).__name__)
+            if name in named:
+                raise ValueError(
+                    f"Two reward functions are named {name!r}: {_describe(named[name])} (reward function "
+                    f"{positions[name]}) and {_describe(func)} (reward function {position}). Their values would "
+                    f"share the column {reward_column(name)!r}: pass a dict to name them, e.g. "
+                    f"{{'{name}_{positions[name]}': ..., '{name}_{position}': ...}}."
+                )
+            named[name], positions[name] = func, position
+    if not named:
+        raise ValueError("No reward function was given: sampling needs at least one to score the completions.")
+    for name, func in named.items():
+        if not callable(func):
+            raise TypeError(f"Reward function {name!r} is a {type(func).__name__}, not a callable with TRL GRPO's "
+                            "signature `fn(prompts, completions, **columns)`.")  # fmt: skip
     return named
 
 
@@ -295,7 +330,8 @@ def sample_completions(
             copied to every sample of their prompt.
         reward_funcs (`Callable`, `list[Callable]` or `dict[str, Callable]`):
             Reward functions with TRL GRPO's signature `fn(prompts, completions, **columns) -> list[float | None]`;
-            any function written for `GRPOTrainer` works. Each gets a column of its own.
+            any function written for `GRPOTrainer` works. Each gets a column of its own, `rewards/<name>`
+            (see [`reward_column`]), whatever its name.
         processing_class ([`~transformers.PreTrainedTokenizerBase`], *optional*):
             Tokenizer; loaded from the model's name if `None`.
         reward_weights (`list[float]`, *optional*):
@@ -433,19 +469,22 @@ def sample_with_engine(
 
 
 def _scored_samples(samples, completions, completion_ids, row_prompt_ids, reward_funcs, reward_weights) -> Dataset:
-    # One row per completion: the prompt's columns, the completion, its ids, its rewards (combined and per function)
-    others = {c: list(samples[c]) for c in samples.column_names if c not in (PROMPT, COMPLETION, REWARD)}
+    # One row per completion: the prompt's columns, the completion, its ids, its rewards (combined and per function).
+    # Sampling's own columns in the prompts (a sampled dataset sampled again) are replaced, and not passed to the
+    # reward functions; the prompts' other columns stay, whatever the functions are called.
+    replaced = [c for c in samples.column_names if c in (PROMPT, COMPLETION, REWARD, BEHAVIOR_LOGPS, PROMPT_IDS,
+                COMPLETION_IDS, SAMPLER_LOGPS) or c.startswith(REWARD_COLUMNS_PREFIX)]  # fmt: skip
+    others = {c: list(samples[c]) for c in samples.column_names if c not in replaced}
     rewards, per_func = score_completions(
         list(samples[PROMPT]), completions, reward_funcs, reward_weights, completion_ids, **others
     )
-    replaced = (COMPLETION, REWARD, BEHAVIOR_LOGPS, PROMPT_IDS, COMPLETION_IDS, SAMPLER_LOGPS, *per_func)
-    samples = samples.remove_columns([c for c in replaced if c in samples.column_names])
+    samples = samples.remove_columns([c for c in replaced if c != PROMPT])
     samples = samples.add_column(COMPLETION, completions).add_column(REWARD, rewards)
     # The ids the model generated from and generated: what training trains on, exactly (no text round trip, no
     # end-of-sequence token added to a completion cut at `max_new_tokens`).
     samples = samples.add_column(PROMPT_IDS, row_prompt_ids).add_column(COMPLETION_IDS, completion_ids)
     for name, values in per_func.items():
-        samples = samples.add_column(name, values)
+        samples = samples.add_column(reward_column(name), values)
     return samples
 
 

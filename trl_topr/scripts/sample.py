@@ -3,8 +3,8 @@ Sample a TOPR dataset: completions of a prompts dataset by a model, scored by re
 log-probs ([`~trl_topr.sample_completions`]).
 
 The output has one row per completion: `prompt`, `completion`, `reward` (the weighted sum of the reward functions),
-`behavior_logps` (one value per completion token, computed as `trl-topr train` computes them), one column per reward
-function and the prompts' other columns: it is ready for `trl-topr train --dataset_name <output_path>`.
+`behavior_logps` (one value per completion token, computed as `trl-topr train` computes them), a column `rewards/<name>`
+per reward function and the prompts' other columns: it is ready for `trl-topr train --dataset_name <output_path>`.
 
 Reward functions have TRL GRPO's signature, `fn(prompts, completions, **columns) -> list[float | None]`, and are given
 by dotted path, as in TRL's GRPO script (`my_rewards.my_reward` for `./my_rewards.py`); a bare name is a function of
