@@ -98,6 +98,14 @@ def publish(folder: Path, rounds: list[dict], script_args, training_args: TOPRCo
                       ignore_patterns=["samples.jsonl", "checkpoint-*", "adapter/*"])
 
 
+def refuse_publishing_nothing(script_args, training_args: TOPRConfig) -> None:
+    """Refuse `--push_to_hub` with `--num_rounds 0` before anything runs: evaluating alone trains no model to
+    publish."""
+    if training_args.push_to_hub and script_args.num_rounds == 0:
+        raise ValueError("--push_to_hub with --num_rounds 0: evaluating alone trains no model to publish. Drop "
+                         "--push_to_hub, or train at least one round.")  # fmt: skip
+
+
 def show_progress() -> None:
     """Print the loop's progress messages, and leave out the libraries' per-step progress bars (loading weights,
     tokenizing): the sampling and training bars remain."""

@@ -42,6 +42,7 @@ from pathlib import Path  # noqa: E402
 import transformers  # noqa: E402
 from common import (  # noqa: E402
     arithmetic_problems,
+    refuse_publishing_nothing,
     evaluation_table,
     few_shot_prompts,
     load_problems,
@@ -107,6 +108,7 @@ class GSM8KArguments:
 
 def main(script_args: GSM8KArguments, training_args: TOPRConfig, model_args: ModelConfig) -> list[dict]:
     """Run the rounds, print the evaluation before and after, publish; return the per-round metrics."""
+    refuse_publishing_nothing(script_args, training_args)
     model = model_args.model_name_or_path
     if model is None:
         with training_args.main_process_first(desc="SmolLM2 conversion"):
@@ -141,8 +143,8 @@ def main(script_args: GSM8KArguments, training_args: TOPRConfig, model_args: Mod
     )  # fmt: skip
     if training_args.process_index == 0:
         print(f"\nGSM8K ({script_args.task}) evaluation, round 0 = before training:\n\n{evaluation_table(rounds)}\n")
-        final = Path(training_args.output_dir) / f"round-{rounds[-1]['round']}"
-        publish(final, rounds, script_args, training_args)
+        if rounds[-1]["round"] > 0:  # `--num_rounds 0` evaluates only: there is no trained model to publish
+            publish(Path(training_args.output_dir) / f"round-{rounds[-1]['round']}", rounds, script_args, training_args)
         print(summary(rounds, script_args, training_args, base_model_name(transformers.AutoConfig.from_pretrained(model)), len(test_problems)))
     return rounds
 
@@ -160,6 +162,14 @@ def summary(rounds: list[dict], script_args: GSM8KArguments, training_args: TOPR
             ("invalid rate", "invalid_rate")]
     minutes, seconds = divmod(round(time.monotonic() - START), 60)
     output = Path(training_args.output_dir)
+    if not trained:  # `--num_rounds 0`
+        return "\n".join([
+            f"Evaluated {model} on {num_eval} held-out {script_args.task} questions, without training "
+            f"(--num_rounds 0), in {precision} on {device_type(training_args.use_cpu)}:",
+            *(f"  {label:<22}{first.get(key, float('nan')):>8.3f}" for label, key in rows),
+            f"Metrics: {output / 'metrics.jsonl'}",
+            f"Done in {minutes} min {seconds:02d} s.",
+        ])  # fmt: skip
     lines = [
         f"Trained {model}",
         f"  with TOPR for {len(trained)} round(s) on {samples} sampled completions "

@@ -41,7 +41,7 @@ from pathlib import Path  # noqa: E402
 import transformers  # noqa: E402
 from accelerate import PartialState  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from common import few_shot_prompts, load_problems, publish, show_progress  # noqa: E402
+from common import few_shot_prompts, load_problems, publish, refuse_publishing_nothing, show_progress  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config  # noqa: E402
 
@@ -187,6 +187,7 @@ def vote_accuracies(rows: list[dict], scores: list[float]) -> dict[str, float]:
 
 def main(script_args: VerifierArguments, training_args: TOPRConfig, model_args: ModelConfig) -> dict:
     """Sample solutions, run the verifier's rounds, measure the votes before and after; return the results."""
+    refuse_publishing_nothing(script_args, training_args)
     model = model_args.model_name_or_path
     if model is None:
         with training_args.main_process_first(desc="SmolLM2 conversion"):
@@ -225,7 +226,10 @@ def main(script_args: VerifierArguments, training_args: TOPRConfig, model_args: 
                                             script_args.verdict_max_new_tokens, seed=training_args.seed),
         )  # fmt: skip
         final = output_dir / f"round-{rounds[-1]['round']}"
-        before, after = verifier_scores([model, str(final)], test_prompts, script_args, training_args, engine)
+        trained = rounds[-1]["round"] > 0  # `--num_rounds 0` evaluates the initial verifier only
+        scores = verifier_scores([model, str(final)] if trained else [model], test_prompts, script_args,
+                                 training_args, engine)  # fmt: skip
+        before, after = scores[0], scores[-1]
     votes = {"before": vote_accuracies(solutions["test"], before), "after": vote_accuracies(solutions["test"], after)}
     results = {"rounds": rounds, "votes": votes,
                "labels": {split: sum(r["correct"] for r in rows) / len(rows) for split, rows in solutions.items()}}
@@ -234,9 +238,10 @@ def main(script_args: VerifierArguments, training_args: TOPRConfig, model_args: 
         name = base_model_name(transformers.AutoConfig.from_pretrained(model))
         text = report(results, script_args, name, "its own" if generator == model else f"{generator}'s",
                       device_type(training_args.use_cpu))
-        publish(final, rounds, script_args, training_args, title="Verifier evaluation per round",
-                extra=f"## What the verifier does for answers\n\n{votes_table(results, script_args)}\n\n",
-                commit_message="A generative verifier trained with TOPR")
+        if trained:
+            publish(final, rounds, script_args, training_args, title="Verifier evaluation per round",
+                    extra=f"## What the verifier does for answers\n\n{votes_table(results, script_args)}\n\n",
+                    commit_message="A generative verifier trained with TOPR")
         print(text)
     return results
 

@@ -65,6 +65,26 @@ def test_arithmetic_round_evaluates_before_and_after(tiny_model_path, tmp_path, 
     assert "GSM8K evaluation per round" in card and "2503.14286" in card
 
 
+def test_num_rounds_0_evaluates_and_exits_cleanly(tiny_model_path, tmp_path, capsys):
+    # Evaluation only: round 0's line, no round folder, no model card; the summary says nothing was trained
+    rounds = gsm8k.main(*tiny_run(tiny_model_path, tmp_path / "out", num_rounds=0))
+    assert [r["round"] for r in rounds] == [0] and 0.0 <= rounds[0]["pass@1_greedy"] <= 1.0
+    assert sorted(os.listdir(tmp_path / "out")) == ["metrics.jsonl", "metrics.png"]
+    printed = capsys.readouterr().out
+    assert "without training (--num_rounds 0)" in printed and "| 0 |" in printed and "Done in" in printed
+    # the same folder again (a resumed evaluation) reads the round back; asking for fewer rounds than it holds fails
+    assert gsm8k.main(*tiny_run(tiny_model_path, tmp_path / "out", num_rounds=0)) == rounds
+    gsm8k.main(*tiny_run(tiny_model_path, tmp_path / "out", num_rounds=1))
+    with pytest.raises(ValueError, match=r"records 1 completed round\(s\), more than `num_rounds` \(0\)"):
+        gsm8k.main(*tiny_run(tiny_model_path, tmp_path / "out", num_rounds=0))
+
+
+def test_num_rounds_0_refuses_to_publish_before_running(tiny_model_path, tmp_path):
+    with pytest.raises(ValueError, match="--push_to_hub with --num_rounds 0"):
+        gsm8k.main(*tiny_run(tiny_model_path, tmp_path / "out", num_rounds=0, push_to_hub=True, hub_model_id="u/m"))
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.skipif(not (GSM8K / "train.jsonl").exists(), reason=f"the shared GSM8K data is not present ({GSM8K})")
 def test_real_gsm8k_rows_from_a_local_folder(tiny_model_path, tmp_path):
     rounds = gsm8k.main(*tiny_run(tiny_model_path, tmp_path / "out", task="gsm8k", dataset_path=str(GSM8K),

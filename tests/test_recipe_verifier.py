@@ -102,6 +102,16 @@ def test_embedded_round_end_to_end(tiny_model_path, tmp_path, capsys):
     assert again["rounds"] == rounds
 
 
+def test_num_rounds_0_scores_the_initial_verifier_and_exits_cleanly(tiny_model_path, tmp_path, capsys):
+    results = verifier.main(*tiny_args(tiny_model_path, tmp_path / "out", "--num_rounds", "0"))
+    assert [r["round"] for r in results["rounds"]] == [0]
+    assert results["votes"]["before"] == results["votes"]["after"]  # nothing trained: the same verifier twice
+    assert not (tmp_path / "out" / "round-0").exists() and "Done in" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="--push_to_hub with --num_rounds 0"):
+        verifier.main(*tiny_args(tiny_model_path, tmp_path / "hub", "--num_rounds", "0", "--push_to_hub", "true"))
+    assert not (tmp_path / "hub").exists()
+
+
 @pytest.mark.skipif(not (GSM8K / "train.jsonl").exists(), reason=f"the shared GSM8K data is not present ({GSM8K})")
 def test_real_gsm8k_questions_from_a_local_folder(tiny_model_path, tmp_path):
     verifier.main(*tiny_args(tiny_model_path, tmp_path, "--task", "gsm8k", "--dataset_path", str(GSM8K),
