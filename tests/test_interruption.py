@@ -104,6 +104,47 @@ LOOP_WORKER = textwrap.dedent(
 )
 
 
+REPLAY_WORKER = textwrap.dedent(
+    """
+    import os, sys, time
+    sys.path.insert(0, {tests!r})
+    from conftest import make_args
+    from datasets import Dataset
+    import trl_topr.loop
+    from trl_topr.generation import SamplingSettings
+
+    model_path, output_dir, hang_marker = sys.argv[1], sys.argv[2], sys.argv[3]
+
+
+    class HangingInRoundThree(trl_topr.loop.TOPRTrainer):
+        # Round 3's second optimizer step announces itself, then hangs until the parent kills the process there
+        def training_step(self, *args, **kwargs):
+            if hang_marker != "none" and self.args.output_dir.endswith("round-3") and self.state.global_step == 1:
+                open(hang_marker, "w").close()
+                time.sleep(600)
+            return super().training_step(*args, **kwargs)
+
+
+    trl_topr.loop.TOPRTrainer = HangingInRoundThree
+
+
+    def text(completion):
+        return completion[-1]["content"] if isinstance(completion, list) else completion
+
+
+    def even_length(prompts, completions, **kwargs):
+        return [1.0 if len(text(c)) % 2 == 0 else -1.0 for c in completions]
+
+
+    prompts = Dataset.from_dict({{"prompt": [[{{"role": "user", "content": f"What is {{i}} + 3?"}}] for i in range(4)]}})
+    args = make_args(output_dir, per_device_train_batch_size=4, max_steps=-1, logging_steps=1, seed=0,
+                     learning_rate=1e-2, disable_tqdm=True)
+    trl_topr.loop.run_topr_loop(model_path, prompts, even_length, args, num_rounds=3, replay_rounds=2,
+                                sampling=SamplingSettings(num_samples=2, max_new_tokens=8), progress=False)
+    """
+)
+
+
 def write_worker(tmp_path, name, template):
     script = tmp_path / name
     script.write_text(template.format(tests=TESTS, max_steps=MAX_STEPS))
@@ -265,3 +306,30 @@ def test_loop_killed_in_round_two_redoes_only_that_round(tiny_model_path, tmp_pa
         assert len((folder / "samples.jsonl").read_text().splitlines()) == 8  # 4 prompts x 2 samples
         AutoModelForCausalLM.from_pretrained(folder)  # loads: written to its end
     assert not (output_dir / "round-4").exists()
+
+
+def test_loop_killed_while_training_a_replayed_round_resumes_to_the_same_model(tiny_model_path, tmp_path):
+    # Round 3 replays rounds 1 and 2 (24 rows, 6 steps): killed at its second step, then restarted, the loop redoes
+    # round 3 from its start and ends with the model and metrics of a run that was never interrupted.
+    from safetensors.torch import load_file
+
+    script = write_worker(tmp_path, "replay_worker.py", REPLAY_WORKER)
+    whole, marker = tmp_path / "uninterrupted", tmp_path / "hanging"
+    finish(start(script, tiny_model_path, whole, "none", log=tmp_path / "whole.log"), tmp_path / "whole.log")
+
+    killed = tmp_path / "killed"
+    first = start(script, tiny_model_path, killed, marker, log=tmp_path / "first.log")
+    kill_when(marker.exists, first, tmp_path / "first.log", "round 3's second step")
+    assert [r["round"] for r in read_jsonl(killed / "metrics.jsonl")] == [0, 1, 2]
+    assert (killed / "round-3" / "train.jsonl").exists() and not (killed / "round-3" / "model.safetensors").exists()
+    finish(start(script, tiny_model_path, killed, "none", log=tmp_path / "second.log"), tmp_path / "second.log")
+
+    assert read_jsonl(killed / "metrics.jsonl") == read_jsonl(whole / "metrics.jsonl")
+    rounds = read_jsonl(whole / "metrics.jsonl")
+    assert rounds[3]["num_train_rows"] == 24 and rounds[3]["age_2/rows"] == 8  # the round replayed rounds 1 and 2
+    resumed, uninterrupted = load_file(killed / "round-3" / "model.safetensors"), load_file(
+        whole / "round-3" / "model.safetensors")
+    assert resumed.keys() == uninterrupted.keys()
+    assert all(torch.equal(resumed[name], uninterrupted[name]) for name in resumed)
+    before = load_file(whole / "round-2" / "model.safetensors")
+    assert any(not torch.equal(before[name], uninterrupted[name]) for name in before)  # round 3 trained

@@ -9,7 +9,8 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_topr.behavior import behavior_logps
-from trl_topr.replay import metrics_by_age, with_replayed_rows
+from trl_topr import TOPRDataError
+from trl_topr.replay import metrics_by_age, read_train_rows, with_replayed_rows
 
 
 def rows_of(round_index, n, invalid):
@@ -31,6 +32,39 @@ def test_replayed_rows_follow_the_rounds_own_and_keep_their_types(tmp_path):
     assert with_replayed_rows(own, tmp_path, 1, 2) is own  # no round before the first
     with pytest.raises(FileNotFoundError):
         with_replayed_rows(own, tmp_path, 5, 1)  # round 4 was never saved
+
+
+@pytest.mark.parametrize(
+    "damage, error, message",
+    [
+        ("missing", FileNotFoundError, r"round-2/train.jsonl is missing: round 2's training rows"),
+        ("cut mid-line", TOPRDataError, r"round-2/train.jsonl, line 3: not a JSON row"),
+        ("cut at a line's end", TOPRDataError, r"round-2/train.jsonl has 2 rows where round 2 recorded 3: the file "
+                                               r"was cut after line 2"),
+        ("a row without its mu", TOPRDataError, r"round-2/train.jsonl, line 2: no \['behavior_logps'\]"),
+    ],
+)
+def test_a_damaged_train_file_is_named_with_its_line(tmp_path, damage, error, message):
+    folder = tmp_path / "round-2"
+    folder.mkdir()
+    lines = [json.dumps(row) for row in rows_of(2, 3, 0.0)]
+    if damage == "cut mid-line":
+        lines[2] = lines[2][:25]
+    elif damage == "cut at a line's end":
+        lines = lines[:2]
+    elif damage == "a row without its mu":
+        lines[1] = json.dumps({k: v for k, v in json.loads(lines[1]).items() if k != "behavior_logps"})
+    if damage != "missing":
+        (folder / "train.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(error, match=message) as raised:
+        with_replayed_rows(Dataset.from_list(rows_of(3, 1, 0.0)), tmp_path, 3, 1, recorded_rows={2: 3})
+    assert "lower `replay_rounds`" in str(raised.value)  # the way on that loses no completed round
+
+
+def test_whole_train_file_reads_back(tmp_path):
+    (tmp_path / "round-1").mkdir()
+    Dataset.from_list(rows_of(1, 3, 0.0)).to_json(str(tmp_path / "round-1" / "train.jsonl"))
+    assert read_train_rows(tmp_path, 1, recorded_rows=3) == rows_of(1, 3, 0.0)
 
 
 def test_metrics_by_age_measure_the_log_ratio_taper_and_weight_share(tiny_model_path, tmp_path):

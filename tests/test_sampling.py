@@ -232,7 +232,7 @@ def test_reward_weight_count_must_match():
 
 def test_prompt_column_is_required(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
-    with pytest.raises(ValueError, match="'prompt' column"):
+    with pytest.raises(ValueError, match="missing column 'prompt'"):
         sample_completions(model, Dataset.from_dict({"question": ["hi"]}), has_digit, processing_class=tokenizer)
 
 

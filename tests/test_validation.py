@@ -1,6 +1,7 @@
 """Every breach of the data contract raises before training, naming the column and the first bad row, and leaves
 the output folder empty."""
 
+import json
 import math
 import os
 
@@ -212,3 +213,173 @@ def test_empty_completion_trains_on_the_decision_to_stop(make_dataset, tiny_mode
     assert len(row["behavior_logps"]) == len(tokens)
     trainer.train()
     assert all(math.isfinite(e["loss"]) for e in trainer.state.log_history if "loss" in e)
+
+
+# The iterative loop's inputs: each refused before anything is loaded, generated or written. A case gives the loop's
+# arguments as changes to a good call, the error type and what its message must say; "resume" cases run on a copy of
+# a folder where 2 rounds with replay are done, damaged by the case.
+def answer_correct(prompts, completions, answer, **kwargs):
+    return [1.0 if a in c else -1.0 for c, a in zip(completions, answer)]
+
+
+def loop_prompts(n: int = 3, **columns) -> Dataset:
+    return Dataset.from_dict({"prompt": [f"What is {i} + 3?" for i in range(n)], "answer": [str(i + 3) for i in range(n)],
+                              **columns})  # fmt: skip
+
+
+def with_row(dataset: Dataset, row: int, prompt) -> Dataset:
+    return Dataset.from_dict({"prompt": [prompt if i == row else p for i, p in enumerate(dataset["prompt"])],
+                              "answer": dataset["answer"]})  # fmt: skip
+
+
+def cut_line(folder, round_index: int, keep_lines: int, cut_mid_line: bool = False):
+    path = folder / f"round-{round_index}" / "train.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:keep_lines] + ([lines[keep_lines][:30]] if cut_mid_line else [])) + "\n")
+
+
+def drop_column(folder, round_index: int, column: str):
+    path = folder / f"round-{round_index}" / "train.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps({k: v for k, v in r.items() if k != column}) + "\n" for r in rows))
+
+
+def damage_metrics(folder):
+    lines = (folder / "metrics.jsonl").read_text().splitlines()
+    (folder / "metrics.jsonl").write_text("\n".join([lines[0][:10], *lines[1:]]) + "\n")
+
+
+def same_name(value):
+    def reward(prompts, completions, **kwargs):
+        return [value] * len(completions)
+
+    return reward
+
+
+LOOP_CASES = {
+    "num_rounds negative": (dict(num_rounds=-1), ValueError, "`num_rounds` must be an integer >= 0, got -1"),
+    "num_rounds a float": (dict(num_rounds=1.5), ValueError, "`num_rounds` must be an integer >= 0, got 1.5"),
+    "num_rounds a string": (dict(num_rounds="2"), ValueError, "`num_rounds` must be an integer >= 0, got '2'"),
+    "replay_rounds negative": (dict(replay_rounds=-1), ValueError, "`replay_rounds` must be an integer >= 0, got -1"),
+    "replay_rounds a float": (dict(replay_rounds=0.5), ValueError, "`replay_rounds` must be an integer >= 0"),
+    "replay_rounds a boolean": (dict(replay_rounds=True), ValueError, "`replay_rounds` must be an integer >= 0"),
+    "model in memory": (dict(model="loaded"), TypeError, "`model` is the id or path of the initial model"),
+    "args not a TOPRConfig": (dict(args={"output_dir": "x"}), TypeError, "`args` must be a `TOPRConfig`, got a dict"),
+    "sampling as a dict": (dict(sampling={"num_samples": 2}), TypeError, "`sampling` must be a `SamplingSettings`"),
+    "eval_sampling as a dict": (dict(eval_sampling={"num_samples": 2}), TypeError,
+                                "`eval_sampling` must be a `SamplingSettings`"),
+    "engine not an engine": (dict(engine="vllm"), TypeError, "`engine` must be a `GenerationEngine`"),
+    "curate not callable": (dict(curate="anna_karenina"), TypeError, "`curate` must be callable, got a str"),
+    "answer_func not callable": (dict(answer_func="last"), TypeError, "`answer_func` must be callable"),
+    "train prompts a list": (dict(train_prompts=["What is 1 + 1?"]), TypeError,
+                             "train prompts dataset must be a map-style `datasets.Dataset`, got list"),
+    "train prompts streamed": (dict(train_prompts=loop_prompts().to_iterable_dataset()), TypeError,
+                               "got IterableDataset"),
+    "train prompts without a prompt column": (dict(train_prompts=loop_prompts().rename_column("prompt", "question")),
+                                              TOPRDataError, "train prompts dataset: missing column 'prompt'"),
+    "train prompts empty": (dict(train_prompts=loop_prompts().select([])), TOPRDataError, "has no rows"),
+    "train prompt None": (dict(train_prompts=with_row(loop_prompts(), 2, None)), TOPRDataError,
+                          "train prompts dataset, column 'prompt', row 2: expected a string"),
+    "train prompt with an unknown role": (
+        dict(train_prompts=Dataset.from_dict({"prompt": [[{"role": "user", "content": "hi"}],
+                                                         [{"role": "usr", "content": "hi"}]], "answer": ["1", "2"]})),
+        TOPRDataError, "train prompts dataset, column 'prompt', row 1: unknown role 'usr'"),
+    "train prompt without a message": (
+        dict(train_prompts=Dataset.from_dict({"prompt": [[{"role": "user", "content": "hi"}], []],
+                                              "answer": ["1", "2"]})),
+        TOPRDataError, "column 'prompt', row 1: a conversational prompt needs at least one message"),
+    "train prompt filling max_length": (dict(train_prompts=with_row(loop_prompts(), 1, "What is 1 + 3? " * 12)),
+                                        TOPRDataError, "train prompts dataset, column 'prompt', row 1: the prompt has"),
+    "eval prompts without correct_func": (dict(correct_func=None), ValueError, "needs `correct_func` and `answer_func`"),
+    "eval prompts without a prompt column": (dict(eval_prompts=loop_prompts().remove_columns("prompt")),
+                                             TOPRDataError, "eval prompts dataset: missing column 'prompt'"),
+    "eval prompts numbers": (dict(eval_prompts=Dataset.from_dict({"prompt": [7, 8], "answer": ["2", "3"]})),
+                             TOPRDataError, "eval prompts dataset, column 'prompt', row 0: expected a string"),
+    "no reward function": (dict(reward_funcs=[]), ValueError, "No reward function was given"),
+    "reward function by name": (dict(reward_funcs=["gsm8k_reward"]), TypeError,
+                                "Reward function 'str' is a str, not a callable"),
+    "two reward functions of one name": (dict(reward_funcs=[same_name(1.0), same_name(-1.0)]), ValueError,
+                                         "Two reward functions are named 'reward'"),
+    "reward weights of the wrong count": (dict(reward_weights=[1.0, 0.0]), ValueError,
+                                          "2 reward weights for 1 reward functions"),
+    "reward weight NaN": (dict(reward_weights=[math.nan]), ValueError, "Reward weights must be finite numbers"),
+    "quantization without an adapter": (dict(quantization_config="4bit"), ValueError, "QLoRA"),
+    "output_dir a file": (dict(output_dir="file"), NotADirectoryError, "is a file: the loop needs a folder"),
+    "resume: fewer rounds than done": (dict(num_rounds=1, resume=None), ValueError,
+                                       "records 2 completed round(s), more than `num_rounds` (1)"),
+    "resume: replayed rows missing": (dict(resume=lambda f: (f / "round-2" / "train.jsonl").unlink()),
+                                      FileNotFoundError, "round-2/train.jsonl is missing"),
+    "resume: replayed rows cut mid-line": (dict(resume=lambda f: cut_line(f, 2, 3, cut_mid_line=True)), TOPRDataError,
+                                           "round-2/train.jsonl, line 4: not a JSON row"),
+    "resume: replayed rows cut at a line's end": (dict(resume=lambda f: cut_line(f, 2, 4)), TOPRDataError,
+                                                  "round-2/train.jsonl has 4 rows where round 2 recorded 6"),
+    "resume: replayed rows without their mu": (dict(resume=lambda f: drop_column(f, 2, "behavior_logps")),
+                                               TOPRDataError, "round-2/train.jsonl, line 1: no ['behavior_logps']"),
+    "resume: metrics damaged": (dict(resume=damage_metrics), ValueError, "metrics.jsonl, line 1, is not JSON"),
+}
+
+
+def run_loop(model_path, output_dir, num_rounds=2, **changes):
+    from trl_topr import run_topr_loop
+    from trl_topr.generation import SamplingSettings
+
+    call = dict(model=model_path, train_prompts=loop_prompts(), reward_funcs=answer_correct,
+                args=make_args(output_dir, max_steps=-1, max_length=40), num_rounds=num_rounds, replay_rounds=1,
+                eval_prompts=loop_prompts(2), correct_func=answer_correct, answer_func=lambda text: text[-1:],
+                sampling=SamplingSettings(num_samples=2, max_new_tokens=4),
+                eval_sampling=SamplingSettings(num_samples=2, max_new_tokens=4, seed=0), progress=False)  # fmt: skip
+    call.update(changes)
+    return run_topr_loop(**call)
+
+
+@pytest.fixture(scope="module")
+def two_rounds_with_replay(tiny_model_path, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("loop") / "done"
+    run_loop(tiny_model_path, folder)
+    return folder
+
+
+def snapshot(folder):
+    return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in folder.rglob("*")} if folder.exists() else None
+
+
+@pytest.mark.parametrize("case", list(LOOP_CASES))
+def test_bad_loop_inputs_raise_before_anything_is_written(case, tiny_model_path, two_rounds_with_replay, tmp_path):
+    import shutil
+
+    changes, error, message = LOOP_CASES[case]
+    changes = dict(changes)
+    output_dir = tmp_path / "out"
+    if "resume" in changes:  # a copy of the done folder, damaged; the call asks for a third round
+        shutil.copytree(two_rounds_with_replay, output_dir)
+        damage = changes.pop("resume")
+        if damage is not None:
+            damage(output_dir)
+        changes.setdefault("num_rounds", 3)
+    if changes.get("model") == "loaded":
+        from transformers import AutoModelForCausalLM
+
+        changes["model"] = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    if changes.get("output_dir") == "file":
+        output_dir.write_text("not a folder")
+        changes["args"] = make_args(output_dir)
+        del changes["output_dir"]
+    if changes.get("quantization_config") == "4bit":
+        from transformers import BitsAndBytesConfig
+
+        changes["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True)
+    before = snapshot(output_dir) if output_dir.is_dir() else output_dir.exists()
+    with pytest.raises(error) as raised:
+        run_loop(tiny_model_path, output_dir, **changes)
+    assert message in str(raised.value)
+    assert (snapshot(output_dir) if output_dir.is_dir() else output_dir.exists()) == before  # nothing written
+
+
+def test_a_resumed_loop_with_a_whole_folder_goes_on(tiny_model_path, two_rounds_with_replay, tmp_path):
+    # the control of the "resume" cases: the undamaged copy trains its third round, replaying round 2's rows
+    import shutil
+
+    shutil.copytree(two_rounds_with_replay, tmp_path / "out")
+    rounds = run_loop(tiny_model_path, tmp_path / "out", num_rounds=3)
+    assert [r["round"] for r in rounds] == [0, 1, 2, 3] and rounds[3]["num_train_rows"] == 12
+    assert run_loop(tiny_model_path, tmp_path / "out", num_rounds=3) == rounds  # nothing left to do: read back

@@ -83,6 +83,35 @@ def _check_text(value: Any, conversational: bool, dataset_name: str, column: str
             )
 
 
+def check_prompts(dataset: Dataset, dataset_name: str = "prompts") -> None:
+    """
+    Check a prompts dataset, what sampling, evaluation and the iterative loop generate from: a map-style dataset with
+    rows and a `prompt` column of text, or of lists of messages, in one format.
+
+    Args:
+        dataset ([`~datasets.Dataset`]):
+            The prompts (other columns are passed to the reward functions and are not checked).
+        dataset_name (`str`, *optional*, defaults to `"prompts"`):
+            Name used in error messages.
+
+    Raises:
+        [`TOPRDataError`]: naming the column and the first offending row.
+    """
+    if isinstance(dataset, IterableDataset) or not isinstance(dataset, Dataset):
+        raise TypeError(f"The {dataset_name} dataset must be a map-style `datasets.Dataset`, got "
+                        f"{type(dataset).__name__}.")  # fmt: skip
+    if PROMPT not in dataset.column_names:
+        raise TOPRDataError(f"{dataset_name} dataset: missing column '{PROMPT}' (found {dataset.column_names}).")
+    if len(dataset) == 0:
+        raise TOPRDataError(f"The {dataset_name} dataset has no rows.")
+    prompts = dataset[PROMPT]
+    conversational = isinstance(prompts[0], list)
+    for row, prompt in enumerate(prompts):
+        _check_text(prompt, conversational, dataset_name, PROMPT, row, is_completion=False)
+        if conversational and not prompt:
+            raise _fail(dataset_name, PROMPT, row, "a conversational prompt needs at least one message, got [].")
+
+
 def validate_and_standardize(dataset: Dataset, args, dataset_name: str = "train") -> Dataset:
     """
     Check a raw TOPR dataset and rename its columns to the canonical `prompt`, `completion`, `reward` and

@@ -23,12 +23,19 @@ from trl.trainer.utils import create_model_from_path
 
 from .composition import effective_positive_fraction
 from .config import TOPRConfig
-from .data import REWARD
+from .data import PROMPT, REWARD, check_prompts
 from .distributed import check_saves_whole_weights, unsharded_loading
 from .evaluation import evaluate_with_engine
 from .generation import GenerationEngine, SamplingSettings, generation_engine
-from .replay import SAMPLE_ROUND, TRAIN_ROWS_FILE, metrics_by_age, with_replayed_rows
-from .sampling import RewardFuncs, behavior_logps_mismatch, sample_with_engine
+from .replay import (
+    SAMPLE_ROUND,
+    TRAIN_ROWS_FILE,
+    metrics_by_age,
+    read_train_rows,
+    replayed_rounds,
+    with_replayed_rows,
+)
+from .sampling import RewardFuncs, behavior_logps_mismatch, checked_prompt_ids, reward_functions, sample_with_engine
 from .trainer import TOPRTrainer
 
 
@@ -148,7 +155,8 @@ def run_topr_loop(
             round's saved folder in place, and its log-probs are compared with the trainer's
             (`behavior_logps_mismatch_*` metrics); see [`~trl_topr.config.VLLMArguments`].
         num_rounds (`int`, *optional*, defaults to `1`):
-            Total number of rounds.
+            Total number of rounds, those already completed in `output_dir` included (0: evaluate the initial model
+            only). Fewer than the folder has completed is refused.
         reward_weights (`list[float]`, *optional*):
             Weights of the reward functions.
         eval_prompts ([`~datasets.Dataset`], *optional*):
@@ -183,7 +191,10 @@ def run_topr_loop(
             before it, read back from their `train.jsonl` with the behavior log-probs recorded when they were sampled
             (mu: the policy of their own round; never sampled or scored again). Curation applies to each round's new
             samples only. With replay, each round also reports metrics by sample age at the start of its training
-            (`age_<k>/...`, see [`~trl_topr.replay.metrics_by_age`]).
+            (`age_<k>/...`, see [`~trl_topr.replay.metrics_by_age`]). A `train.jsonl` to replay that is missing, or
+            cut (fewer rows than its round recorded, or a line that is not a whole row), stops the loop with an error
+            naming the file and the line, before the round samples (resumed rounds) or trains; no completed round is
+            lost (see [`~trl_topr.replay.read_train_rows`]).
         sampling_kwargs (`dict[str, Any]`, *optional*):
             Deprecated: use `sampling`.
         eval_kwargs (`dict[str, Any]`, *optional*):
@@ -191,15 +202,21 @@ def run_topr_loop(
 
     Returns:
         `list[dict[str, Any]]`: the metrics of every completed round, round 0 included.
+
+    Raises:
+        `ValueError`, `TypeError`, [`~trl_topr.TOPRDataError`]:
+            For bad arguments, prompts or reward functions, before anything is loaded, generated or written (the
+            prompts' errors name the column and the row).
     """
-    if eval_prompts is not None and (correct_func is None or answer_func is None):
-        raise ValueError("Evaluating `eval_prompts` needs `correct_func` and `answer_func`.")
-    if replay_rounds < 0:
-        raise ValueError(f"`replay_rounds` must be >= 0, got {replay_rounds}.")
     sampling, eval_sampling, progress = _settings(sampling, eval_sampling, progress, sampling_kwargs, eval_kwargs)
+    _check_arguments(model, args, num_rounds, replay_rounds, sampling, eval_sampling, engine,
+                     curate=curate, correct_func=correct_func, answer_func=answer_func)  # fmt: skip
+    _check_prompts_and_rewards(train_prompts, eval_prompts, reward_funcs, reward_weights, correct_func, answer_func)
     processing_class = processing_class or AutoTokenizer.from_pretrained(model)
+    checked_prompt_ids(processing_class, list(train_prompts[PROMPT]), args.max_length, "train prompts")
     models = _RoundModels(model, args, processing_class, peft_config, quantization_config)
     log = _RoundLog(args.output_dir)
+    log.check_resumable(num_rounds, replay_rounds)  # before anything is written
     engine_of_the_loop = engine is None
 
     def evaluate(folder: str, policy, training_engine=None) -> dict[str, float]:
@@ -230,13 +247,13 @@ def run_topr_loop(
             own = curate(samples) if curate is not None else samples
             own = own.add_column(SAMPLE_ROUND, [round_index] * len(own))
             log.save_train_rows(own, round_dir)
-            train_data = with_replayed_rows(own, log.output_dir, round_index, replay_rounds)
+            train_data = with_replayed_rows(own, log.output_dir, round_index, replay_rounds, log.recorded_rows())
             trainer = _round_trainer(policy, train_data, args, round_dir, processing_class, peft_config)
             ages = _ages(policy, train_data, round_index, args, trainer, sampling) if replay_rounds else {}
             train_loss = trainer.train().training_loss
             log.save_trainer_state(trainer, round_dir)
             models.save(trainer, previous, round_dir)
-            log.record({"round": round_index, **_round_metrics(samples, train_data, trainer, train_loss), **ages,
+            log.record({"round": round_index, **_round_metrics(samples, own, train_data, trainer, train_loss), **ages,
                         **evaluate(str(round_dir), trainer.model, getattr(trainer, "deepspeed", None))})  # fmt: skip
             engine.release_weights()
             del trainer, policy
@@ -263,6 +280,38 @@ def _settings(sampling, eval_sampling, progress, sampling_kwargs, eval_kwargs):
     sampling = sampling or SamplingSettings(num_samples=4)  # `sample_completions`' defaults
     eval_sampling = eval_sampling or SamplingSettings(num_samples=4, seed=0)  # `evaluate_policy`'s
     return sampling, eval_sampling, progress
+
+
+def _check_arguments(model, args, num_rounds, replay_rounds, sampling, eval_sampling, engine, **callables) -> None:
+    # The loop's own arguments, before anything is loaded or written
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"`model` is the id or path of the initial model, got a {type(model).__name__}: save a model "
+                        "in memory with `save_pretrained` and pass its folder (each round loads the previous round's "
+                        "folder).")  # fmt: skip
+    if not isinstance(args, TOPRConfig):
+        raise TypeError(f"`args` must be a `TOPRConfig`, got a {type(args).__name__}.")
+    for name, value in (("num_rounds", num_rounds), ("replay_rounds", replay_rounds)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"`{name}` must be an integer >= 0, got {value!r}.")
+    for name, value in (("sampling", sampling), ("eval_sampling", eval_sampling)):
+        if not isinstance(value, SamplingSettings):
+            raise TypeError(f"`{name}` must be a `SamplingSettings` (`trl_topr.generation`), got a "
+                            f"{type(value).__name__}: e.g. `SamplingSettings(num_samples=4, max_new_tokens=256)`.")
+    if engine is not None and not isinstance(engine, GenerationEngine):
+        raise TypeError(f"`engine` must be a `GenerationEngine` (`trl_topr.generation`), got a {type(engine).__name__}.")
+    for name, value in callables.items():
+        if value is not None and not callable(value):
+            raise TypeError(f"`{name}` must be callable, got a {type(value).__name__}.")
+
+
+def _check_prompts_and_rewards(train_prompts, eval_prompts, reward_funcs, reward_weights, correct_func, answer_func):
+    # The prompts and what scores their completions, before anything is generated
+    check_prompts(train_prompts, "train prompts")
+    reward_functions(reward_funcs, reward_weights)
+    if eval_prompts is not None:
+        if correct_func is None or answer_func is None:
+            raise ValueError("Evaluating `eval_prompts` needs `correct_func` and `answer_func`.")
+        check_prompts(eval_prompts, "eval prompts")
 
 
 class _RoundModels:
@@ -321,7 +370,8 @@ def _ages(policy, train_data: Dataset, round_index: int, args: TOPRConfig, train
                           batch_size=sampling.batch_size)  # fmt: skip
 
 
-def _round_metrics(samples: Dataset, train_data: Dataset, trainer: TOPRTrainer, train_loss: float) -> dict[str, Any]:
+def _round_metrics(samples: Dataset, own: Dataset, train_data: Dataset, trainer: TOPRTrainer,
+                   train_loss: float) -> dict[str, Any]:  # fmt: skip
     # What a round's line records besides the evaluation
     rewards = list(samples[REWARD])
     return {
@@ -329,6 +379,7 @@ def _round_metrics(samples: Dataset, train_data: Dataset, trainer: TOPRTrainer, 
         "positive_fraction": sum(r >= 0 for r in rewards) / len(rewards),
         "effective_positive_fraction": effective_positive_fraction(train_data[REWARD], trainer.baseline),
         "num_samples": len(samples),
+        "num_new_train_rows": len(own),  # the rows of train.jsonl, which replay checks its reading against
         "num_train_rows": len(train_data),
         "train_loss": train_loss,
         **behavior_logps_mismatch(samples),
@@ -340,8 +391,27 @@ class _RoundLog:
     # round's folder, its samples and training logs. The main process writes; every process keeps the rounds.
     def __init__(self, output_dir: str):
         self.output_dir, self.state = Path(output_dir), PartialState()
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+        if self.output_dir.exists() and not self.output_dir.is_dir():
+            raise NotADirectoryError(f"`output_dir` {self.output_dir} is a file: the loop needs a folder.")
         self.rounds = read_rounds(str(self.output_dir))  # the completed rounds: the loop resumes after the last
+
+    def check_resumable(self, num_rounds: int, replay_rounds: int) -> None:
+        # What the folder holds agrees with the call: no more rounds than asked for, and the rows of every completed
+        # round that the next rounds replay readable and whole
+        done = self.rounds[-1]["round"] if self.rounds else None
+        if done is not None and done > num_rounds:
+            raise ValueError(
+                f"{self.output_dir / METRICS_FILE} records {done} completed round(s), more than `num_rounds` "
+                f"({num_rounds}): the loop resumes a folder, it does not undo rounds. Ask for `num_rounds` >= {done} "
+                "to go on (or = to read it back), or use a new `output_dir`."
+            )
+        if done is not None and done < num_rounds and replay_rounds:
+            for earlier in replayed_rounds(done + 1, replay_rounds):
+                read_train_rows(self.output_dir, earlier, self.recorded_rows().get(earlier))
+
+    def recorded_rows(self) -> dict[int, int]:
+        # the rows each completed round saved to its train.jsonl (rounds recorded before this count was kept: none)
+        return {r["round"]: r["num_new_train_rows"] for r in self.rounds if "num_new_train_rows" in r}
 
     def start_round(self, round_index: int) -> Path:
         round_dir = self.output_dir / f"round-{round_index}"
@@ -356,8 +426,11 @@ class _RoundLog:
             samples.to_json(str(round_dir / "samples.jsonl"))
 
     def save_train_rows(self, rows: Dataset, round_dir: Path) -> None:
-        if self.state.is_main_process:  # what later rounds replay
-            rows.to_json(str(round_dir / TRAIN_ROWS_FILE))
+        if self.state.is_main_process:  # what later rounds replay: written whole or not at all
+            partial = round_dir / f"{TRAIN_ROWS_FILE}.partial"
+            rows.to_json(str(partial))
+            os.replace(partial, round_dir / TRAIN_ROWS_FILE)
+        self.state.wait_for_everyone()  # every process reads it back
 
     def save_trainer_state(self, trainer: TOPRTrainer, round_dir: Path) -> None:
         if self.state.is_main_process:  # the round's training logs (TOPR's metrics per step), as in a checkpoint
@@ -366,6 +439,7 @@ class _RoundLog:
     def record(self, metrics: dict[str, Any]) -> None:
         self.rounds.append(metrics)
         if self.state.is_main_process:  # the line marks the round as completed: the file is replaced whole, never cut
+            self.output_dir.mkdir(parents=True, exist_ok=True)
             partial = self.output_dir / f"{METRICS_FILE}.partial"
             partial.write_text("".join(json.dumps(r) + "\n" for r in self.rounds))
             os.replace(partial, self.output_dir / METRICS_FILE)

@@ -10,7 +10,7 @@ import torch
 from datasets import Dataset
 
 from .behavior import behavior_logps
-from .data import BEHAVIOR_LOGPS, COMPLETION_IDS, PROMPT_IDS, REWARD
+from .data import BEHAVIOR_LOGPS, COMPLETION_IDS, PROMPT_IDS, REWARD, TOPRDataError
 from .loss import TAPERED_BELOW, topr_weights
 from .precision import training_autocast
 
@@ -19,10 +19,78 @@ TRAIN_ROWS_FILE = "train.jsonl"
 SAMPLE_ROUND = "sample_round"
 
 
-def with_replayed_rows(rows: Dataset, output_dir: Path, round_index: int, replay_rounds: int) -> Dataset:
+# What a replayed row needs: the ids trained, the behavior log-probs of its sampling, its reward, its round
+REPLAYED_COLUMNS = (PROMPT_IDS, COMPLETION_IDS, BEHAVIOR_LOGPS, REWARD, SAMPLE_ROUND)
+
+
+def read_train_rows(output_dir: Path, round_index: int, recorded_rows: int | None = None) -> list[dict]:
+    """
+    The training rows a round saved (`round-<r>/train.jsonl`), checked line by line: what replay trains again.
+
+    Args:
+        output_dir (`Path`):
+            The loop's folder.
+        round_index (`int`):
+            The round that saved the rows.
+        recorded_rows (`int`, *optional*):
+            How many rows the round recorded (`num_new_train_rows` of its line in `metrics.jsonl`): fewer lines
+            means the file was cut at a line's end.
+
+    Returns:
+        `list[dict]`: the rows, in order.
+
+    Raises:
+        `FileNotFoundError`: when the file is missing.
+        [`~trl_topr.TOPRDataError`]: naming the file and the line, for a line that is not a JSON row with the
+        columns replay needs (a file cut mid-line), and for a file with fewer rows than the round recorded.
+    """
+    path = Path(output_dir) / f"round-{round_index}" / TRAIN_ROWS_FILE
+    recovery = (f"Restore it from a copy, or go on without replaying round {round_index} (a lower `replay_rounds`, "
+                "or a new `output_dir`).")  # fmt: skip
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: round {round_index}'s training rows, which replay trains again. "
+                                f"{recovery}")  # fmt: skip
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise TOPRDataError(f"{path}, line {number}: not a JSON row ({error}); the file was cut or damaged. "
+                                f"{recovery}") from error  # fmt: skip
+        missing = [c for c in REPLAYED_COLUMNS if not isinstance(row, dict) or c not in row]
+        if missing:
+            raise TOPRDataError(f"{path}, line {number}: no {missing} (replay needs {list(REPLAYED_COLUMNS)}). "
+                                f"{recovery}")  # fmt: skip
+        rows.append(row)
+    if recorded_rows is not None and len(rows) != recorded_rows:
+        raise TOPRDataError(f"{path} has {len(rows)} rows where round {round_index} recorded {recorded_rows}: the "
+                            f"file was cut after line {len(rows)}. {recovery}")  # fmt: skip
+    return rows
+
+
+def replayed_rounds(round_index: int, replay_rounds: int) -> range:
+    """
+    The earlier rounds whose rows round `round_index` trains again: the `replay_rounds` rounds before it (rounds
+    before 1 do not exist).
+
+    Args:
+        round_index (`int`):
+            The round.
+        replay_rounds (`int`):
+            How many earlier rounds to replay.
+
+    Returns:
+        `range`: the rounds, oldest first.
+    """
+    return range(max(1, round_index - replay_rounds), round_index)
+
+
+def with_replayed_rows(rows: Dataset, output_dir: Path, round_index: int, replay_rounds: int,
+                       recorded_rows: dict[int, int] | None = None) -> Dataset:  # fmt: skip
     """
     A round's own training rows followed by those of the `replay_rounds` rounds before it, as they were saved
-    (`round-<r>/train.jsonl`: curated, with the behavior log-probs of their sampling and their `sample_round`).
+    (`round-<r>/train.jsonl`: curated, with the behavior log-probs of their sampling and their `sample_round`), read
+    with [`read_train_rows`].
 
     Args:
         rows ([`~datasets.Dataset`]):
@@ -33,14 +101,15 @@ def with_replayed_rows(rows: Dataset, output_dir: Path, round_index: int, replay
             The round.
         replay_rounds (`int`):
             How many earlier rounds to replay (rounds before 1 do not exist).
+        recorded_rows (`dict[int, int]`, *optional*):
+            How many rows each earlier round recorded, to catch a file cut at a line's end.
 
     Returns:
         [`~datasets.Dataset`]: the rows to train on.
     """
     earlier = []
-    for previous in range(max(1, round_index - replay_rounds), round_index):
-        lines = (output_dir / f"round-{previous}" / TRAIN_ROWS_FILE).read_text().splitlines()
-        earlier += [json.loads(line) for line in lines if line.strip()]
+    for previous in replayed_rounds(round_index, replay_rounds):
+        earlier += read_train_rows(output_dir, previous, (recorded_rows or {}).get(previous))
     # one table from all the rows, its types inferred from them all (a column that is empty in one round, e.g. a
     # reward function that returned None for every sample, takes the others' type)
     return Dataset.from_list(rows.to_list() + earlier) if earlier else rows

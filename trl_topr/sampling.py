@@ -25,7 +25,16 @@ from trl.trainer.utils import create_model_from_path
 
 from .behavior import behavior_logps
 from .config import TOPRConfig
-from .data import BEHAVIOR_LOGPS, COMPLETION, COMPLETION_IDS, PROMPT, PROMPT_IDS, REWARD, TOPRDataError
+from .data import (
+    BEHAVIOR_LOGPS,
+    COMPLETION,
+    COMPLETION_IDS,
+    PROMPT,
+    PROMPT_IDS,
+    REWARD,
+    TOPRDataError,
+    check_prompts,
+)
 from .generation import (
     GenerationEngine,
     SamplingSettings,
@@ -67,7 +76,26 @@ def _describe(func: Callable) -> str:
     return f"{module}.{name}" if module else name
 
 
-def _named_reward_funcs(reward_funcs: RewardFuncs) -> dict[str, Callable]:
+def reward_functions(
+    reward_funcs: RewardFuncs, reward_weights: list[float] | None = None
+) -> tuple[dict[str, Callable], list[float]]:
+    """
+    The reward functions by name, with their weights, checked: what sampling and the loop check before they generate.
+
+    Args:
+        reward_funcs (`Callable`, `list[Callable]` or `dict[str, Callable]`):
+            Reward functions; a dict names them, otherwise each function's `__name__` does.
+        reward_weights (`list[float]`, *optional*):
+            Weight of each function, finite; defaults to 1 each.
+
+    Returns:
+        `tuple[dict[str, Callable], list[float]]`: the functions by name, and their weights.
+
+    Raises:
+        `ValueError`: without a function, for two functions of one name (naming both), or for weights that are not
+        one finite number per function.
+        `TypeError`: for a function that is not callable.
+    """
     if callable(reward_funcs):
         reward_funcs = [reward_funcs]
     if isinstance(reward_funcs, dict):
@@ -90,7 +118,16 @@ def _named_reward_funcs(reward_funcs: RewardFuncs) -> dict[str, Callable]:
         if not callable(func):
             raise TypeError(f"Reward function {name!r} is a {type(func).__name__}, not a callable with TRL GRPO's "
                             "signature `fn(prompts, completions, **columns)`.")  # fmt: skip
-    return named
+    weights = [1.0] * len(named) if reward_weights is None else list(reward_weights)
+    if len(weights) != len(named):
+        raise ValueError(f"{len(weights)} reward weights for {len(named)} reward functions.")
+    if not all(_is_finite_number(w) for w in weights):
+        raise ValueError(f"Reward weights must be finite numbers, got {weights}.")
+    return named, [float(w) for w in weights]
+
+
+def _is_finite_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def score_completions(
@@ -132,10 +169,7 @@ def score_completions(
 
     ```
     """
-    funcs = _named_reward_funcs(reward_funcs)
-    weights = [1.0] * len(funcs) if reward_weights is None else list(reward_weights)
-    if len(weights) != len(funcs):
-        raise ValueError(f"{len(weights)} reward weights for {len(funcs)} reward functions.")
+    funcs, weights = reward_functions(reward_funcs, reward_weights)
     per_func = {}
     for name, func in funcs.items():
         try:
@@ -285,15 +319,35 @@ def generate_completions(
     return decode_completions(processing_class, prompts, out.completion_ids), out.completion_ids, out.tokens_per_s
 
 
-def _checked_prompt_ids(processing_class, prompts: list, max_length: int | None) -> list[list[int]]:
-    # The prompts' token ids, each checked before anything is generated: a prompt of `max_length` tokens or more
-    # leaves no completion token to train on.
+def checked_prompt_ids(
+    processing_class: PreTrainedTokenizerBase, prompts: list, max_length: int | None, dataset_name: str = "prompts"
+) -> list[list[int]]:
+    """
+    The prompts' token ids (see [`~trl_topr.generation.prompt_ids`]), each checked before anything is generated: a
+    prompt of `max_length` tokens or more leaves no completion token to train on.
+
+    Args:
+        processing_class ([`~transformers.PreTrainedTokenizerBase`]):
+            The tokenizer.
+        prompts (`list`):
+            The prompts, text or messages.
+        max_length (`int`, *optional*):
+            The training configuration's `max_length`; `None` checks nothing.
+        dataset_name (`str`, *optional*, defaults to `"prompts"`):
+            Name used in error messages.
+
+    Returns:
+        `list[list[int]]`: the token ids of each prompt.
+
+    Raises:
+        [`TOPRDataError`]: naming the row of the first prompt that fills `max_length`.
+    """
     all_ids = [prompt_ids(processing_class, prompt) for prompt in prompts]
     for row, ids in enumerate(all_ids):
         length = len(ids)
         if max_length is not None and length >= max_length:
             raise TOPRDataError(
-                f"prompts dataset, column '{PROMPT}', row {row}: the prompt has {length} tokens, which fill "
+                f"{dataset_name} dataset, column '{PROMPT}', row {row}: the prompt has {length} tokens, which fill "
                 f"`max_length` ({max_length}): no completion token would be left to train on. Raise `max_length` "
                 "or shorten the prompt."
             )
@@ -431,10 +485,10 @@ def sample_with_engine(
     Returns:
         [`~datasets.Dataset`]: as [`sample_completions`].
     """
-    if PROMPT not in dataset.column_names:
-        raise ValueError(f"The prompts dataset needs a '{PROMPT}' column (found {dataset.column_names}).")
+    check_prompts(dataset)
+    reward_functions(reward_funcs, reward_weights)  # before anything is generated
     prompts = list(dataset[PROMPT])
-    all_prompt_ids = _checked_prompt_ids(processing_class, prompts, args.max_length)
+    all_prompt_ids = checked_prompt_ids(processing_class, prompts, args.max_length)
     engine_of_this_call = engine is None
     engine = engine or generation_engine(model, processing_class, args)
     try:
