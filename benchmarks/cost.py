@@ -167,9 +167,9 @@ def length_grouped(rows: dict, batch: int) -> dict:
 
 def bf16(fp32: bool, device: str = "cpu") -> bool:
     """The precision every trainer of the comparison uses: the library's rule for this device, unless --fp32."""
-    from trl_topr.precision import has_native_bf16
+    from trl_topr.precision import bf16_is_faster
 
-    return not fp32 and has_native_bf16(device)
+    return not fp32 and bf16_is_faster(device)
 
 
 def common_args(spec: dict) -> dict:
@@ -366,7 +366,7 @@ def main(argv=None) -> str:
     parser.add_argument("--batches", type=int, nargs="+", help="per-device train batch sizes")
     parser.add_argument("--steps", type=int, help="training steps per run (the first is warmup)")
     parser.add_argument("--reps", type=int, default=1, help="repetitions, trainer order rotated each time")
-    parser.add_argument("--fp32", action="store_true", help="fp32 even where the hardware has native bf16")
+    parser.add_argument("--fp32", action="store_true", help="fp32 even where bf16 is faster on the hardware")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where every trainer runs")
     parser.add_argument("--arch", choices=list(ARCHS), help="model (default: small; tiny with --quick)")
     parser.add_argument("--qlora", action="store_true", help="4-bit NF4 base + LoRA for SFT and TOPR (CUDA)")

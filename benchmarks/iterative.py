@@ -78,7 +78,7 @@ SCALES = {
              "lrs": [3e-5, 1e-4, 3e-4, 1e-3], "max_new_tokens": 12, "bf16": False, "replay": 3, "sweep_seeds": 2,
              "replay_steps": 5},
     "real": {"prompts": 48, "num_samples": 4, "val": 48, "test": 96, "k": 4, "rounds": 4, "seeds": 3, "batch": 8,
-             "lrs": [3e-6, 1e-5, 3e-5, 1e-4], "max_new_tokens": 48, "bf16": None,  # None: bf16 where the CPU has it natively
+             "lrs": [3e-6, 1e-5, 3e-5, 1e-4], "max_new_tokens": 48, "bf16": False,  # float32, as its committed runs
              "replay": 2, "sweep_seeds": 2, "replay_steps": 2},
 }
 QUICK = {"prompts": 8, "num_samples": 4, "val": 4, "test": 4, "k": 1, "rounds": 2, "seeds": 2, "batch": 8,

@@ -57,7 +57,7 @@ SCALES = {
     "fast": {"prompts": 128, "num_samples": 8, "eval": 128, "k": 4, "epochs": 6, "seeds": 3, "lr": 1e-4, "batch": 16,
              "max_new_tokens": 12, "bf16": False},
     "real": {"prompts": 20, "num_samples": 8, "eval": 48, "k": 2, "epochs": 2, "seeds": 1, "lr": 2e-5, "batch": 8,
-             "max_new_tokens": 32, "bf16": None},  # None: bf16 only where the CPU computes it natively
+             "max_new_tokens": 32, "bf16": False},  # float32, as its committed run
 }
 QUICK = {"prompts": 16, "num_samples": 4, "eval": 4, "k": 1, "epochs": 1, "seeds": 1, "batch": 4}
 PROBE_ROWS = 64  # positive and negative training rows whose log-probs are tracked

@@ -1,7 +1,13 @@
-"""The precision rule: bf16 where the hardware computes it natively, float32 elsewhere, an explicit choice always
-respected. Both CPU branches are tested by faking the capability torch reports."""
+"""The precision rule: bf16 where it runs faster than float32 on the training device (measured on a CPU, once, and
+cached), an explicit choice always respected. Both CPU outcomes are tested by giving the rule a measured speedup; the
+probe itself and its cache run for real."""
 
+import json
 import logging
+import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,26 +21,24 @@ from trl_topr.online import TOPRGRPOConfig
 from trl_topr.sampling import generate_completions
 
 
-@pytest.fixture(params=[True, False], ids=["native-bf16-cpu", "emulated-bf16-cpu"])
+@pytest.fixture(params=[True, False], ids=["fast-bf16-cpu", "slow-bf16-cpu"])
 def native(request, monkeypatch):
-    """Fake a CPU with AMX (native bf16) or without it (AVX2 / AVX512 only), and forget earlier warnings."""
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: request.param)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    """A CPU where the probe found bf16 3x faster than float32, or 2x slower; earlier warnings forgotten."""
+    monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: 3.0 if request.param else 0.5)
     monkeypatch.setattr(precision, "_warned", set())
     return request.param
 
 
-def test_the_cpu_capability_decides(native):
-    assert precision.has_native_bf16("cpu") is native
-    assert precision.has_native_bf16() is native  # no accelerator here: the training device is the CPU
+def test_the_measured_speedup_decides(native):
+    assert precision.bf16_is_faster("cpu") is native
+    assert precision.bf16_is_faster() is native  # no accelerator here: the training device is the CPU
 
 
-def test_avx512_bf16_without_amx_trains_in_float32(monkeypatch, tmp_path):
-    # Measured on such a CPU: bf16 matmuls at half the float32 speed, the embedded default 1.4x slower in bf16.
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
-    assert precision.has_native_bf16("cpu") is False
-    assert TOPRConfig(output_dir=str(tmp_path), report_to="none").bf16 is False
+@pytest.mark.parametrize("speedup, chosen", [(0.02, False), (0.5, False), (1.2, False), (1.25, True), (4.2, True)])
+def test_bf16_needs_a_clear_margin(monkeypatch, speedup, chosen):
+    # 0.02: AVX2 only; 0.5: AVX512 without BF16; 4.2: a fast AVX512-BF16; 1.2: within the probe's noise
+    monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: speedup)
+    assert precision.bf16_is_faster("cpu") is chosen
 
 
 @pytest.mark.parametrize("config_class", [TOPRConfig, TOPRGRPOConfig])
@@ -43,6 +47,16 @@ def test_unset_bf16_follows_the_hardware(native, config_class, tmp_path):
     assert args.bf16 is native
     assert args.use_cpu  # no accelerator: set, so that transformers accepts bf16 on the CPU
     assert args.fp16 is False
+
+
+def test_the_choice_is_logged_once_with_its_reason(native, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="trl_topr.precision"):
+        for _ in range(2):
+            TOPRConfig(output_dir=str(tmp_path), report_to="none")
+    said = [r.getMessage() for r in caplog.records if r.name == "trl_topr.precision"]
+    assert len(said) == 1
+    assert said[0].startswith(f"Precision: {'bf16' if native else 'float32'} on cpu")
+    assert f"bf16 matmuls ran {3.0 if native else 0.5:.2f}x float32's" in said[0] and "--bf16" in said[0]
 
 
 @pytest.mark.parametrize("explicit", [True, False])
@@ -55,14 +69,42 @@ def test_an_explicit_choice_is_respected(native, explicit, tmp_path, caplog):
     if explicit and not native:
         assert len(warnings) == 1
         assert "slower than float32" in warnings[0].message and "--bf16 false" in warnings[0].message
-        assert "benchmarks/precision.py" in warnings[0].message  # where to measure it on this machine
+        assert "0.50x" in warnings[0].message  # the measurement that says so
     else:
         assert not warnings
 
 
 def test_fp16_is_not_overridden(monkeypatch, tmp_path):
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: 3.0)
     assert precision.resolve_bf16(None, fp16=True) is False
+
+
+def test_the_probe_runs_once_per_cpu_and_is_cached(monkeypatch, tmp_path):
+    # A real measurement, written to the cache under this CPU's key; a new process reads it instead of measuring
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(precision, "_speedups", {})
+    calls = []
+    measure = precision.measure_cpu_bf16_speedup
+    monkeypatch.setattr(precision, "measure_cpu_bf16_speedup", lambda: calls.append(1) or measure())
+    speedup = precision.cpu_bf16_speedup()
+    assert math.isfinite(speedup) and speedup > 0 and calls == [1]
+    cached = json.loads((tmp_path / "trl_topr" / precision.SPEEDUP_CACHE_FILE).read_text())
+    key = precision._speedup_key()
+    assert cached == {key: speedup} and precision.cpu_name() in key and torch.__version__ in key
+    monkeypatch.setattr(precision, "_speedups", {})  # as a new process
+    assert precision.cpu_bf16_speedup() == speedup and calls == [1]
+
+
+def test_emulated_bf16_is_measured_slow(tmp_path):
+    # torch and oneDNN held to AVX2, as on a CPU without AVX512: bf16 is emulated, and the real probe says so
+    code = "from trl_topr.precision import cpu_bf16_speedup, bf16_is_faster; print(cpu_bf16_speedup(), bf16_is_faster('cpu'))"
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    speedup, chosen = result.stdout.split()[-2:]
+    assert float(speedup) < 0.5 and chosen == "False"
+    (key,) = json.loads((tmp_path / "trl_topr" / "cpu_bf16_speedup.json").read_text())
+    assert "AVX2" in key  # a held-back kernel set is its own entry: it never reuses the full CPU's measurement
 
 
 def autocast_seen(model):

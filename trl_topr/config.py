@@ -206,10 +206,10 @@ class TOPRConfig(VLLMArguments, _ActivationCheckpointingName, SFTConfig):
     > - `num_train_epochs`: Defaults to `1` instead of `3`: the paper trains one epoch on each generated dataset, and
     >   [`run_topr_loop`] trains `num_train_epochs` on each round's data.
     > - `loss_type`: Defaults to `"topr"`, see above.
-    > - `bf16`: Defaults to the hardware ([`~trl_topr.precision.has_native_bf16`]) instead of always `True`: on
-    >   where the training device computes bf16 natively (GPUs from Ampere on, CPUs with AMX), off
-    >   elsewhere, where emulated bf16 can run many times slower than float32. An explicit value is always used. Without
-    >   an accelerator, `use_cpu` is set.
+    > - `bf16`: Defaults to the hardware ([`~trl_topr.precision.bf16_is_faster`]) instead of always `True`: on
+    >   where bf16 runs faster than float32 on the training device (GPUs from Ampere on; CPUs where a short matmul
+    >   probe, run once and cached, finds it at least 1.25x faster), off elsewhere, where emulated bf16 can run many
+    >   times slower than float32. An explicit value is always used. Without an accelerator, `use_cpu` is set.
     > - `activation_checkpointing`: Defaults to `True`, TRL's default for its deprecated alias
     >   `gradient_checkpointing` (set either; the new name avoids transformers' deprecation warning).
 
@@ -231,8 +231,9 @@ class TOPRConfig(VLLMArguments, _ActivationCheckpointingName, SFTConfig):
     bf16: bool | None = field(
         default=None,
         metadata={
-            "help": "bf16 mixed precision. Defaults to the hardware: on where the training device computes bf16 "
-            "natively (GPUs from Ampere on, CPUs with AMX), off elsewhere, where it is far slower."
+            "help": "bf16 mixed precision. Defaults to the hardware: on where bf16 runs faster than float32 on the "
+            "training device (GPUs from Ampere on; CPUs where a short matmul probe, run once and cached, finds it "
+            "faster), off elsewhere, where it is far slower."
         },
     )
     gradient_checkpointing: bool | None = field(

@@ -64,7 +64,7 @@ def evaluate_policy(
             Show progress bars.
         bf16 (`bool`, *optional*):
             Generate under bf16 autocast (transformers). Defaults to the hardware (see
-            [`~trl_topr.precision.has_native_bf16`]).
+            [`~trl_topr.precision.bf16_is_faster`]).
         engine ([`~trl_topr.generation.GenerationEngine`], *optional*):
             Generate with this engine (e.g. vLLM), holding the policy's weights, instead of `model.generate`.
         vllm_generation ([`~trl_topr.generation.vllm_engine.TOPRVLLMGeneration`], *optional*):

@@ -1,20 +1,33 @@
-"""Precision chosen from the hardware: bf16 where the device computes it natively, float32 elsewhere.
+"""Precision chosen from the hardware: bf16 where it runs faster than float32 on the training device, float32 elsewhere.
 
-TRL's configurations turn bf16 mixed precision on by default. That is right on recent GPUs and on CPUs with AMX, and
-wrong on the many CPUs without native bf16 units, where bf16 matmuls are emulated and run many times slower than
-float32. Between the two, CPUs with AVX512-BF16 but no AMX differ: `python benchmarks/precision.py` times both
-precisions on a machine and prints what the rule picks there (docs/benchmarks.md gives the machines measured). Every
-place of this library that trains, samples or evaluates a model follows [`has_native_bf16`] when the user has not
-chosen a precision.
+TRL's configurations turn bf16 mixed precision on by default. That is right on recent GPUs and wrong on many CPUs,
+where bf16 matmuls are emulated and run many times slower than float32. CPU flags do not settle it: with AVX512-BF16
+and no AMX, bf16 ran 4x faster than float32 on one CPU and 2x slower on another. So on a CPU the choice is measured: a
+short matmul probe ([`measure_cpu_bf16_speedup`], about a second), run once per CPU model and torch version and cached
+([`cpu_bf16_speedup`]). Every place of this library that trains, samples or evaluates a model follows
+[`bf16_is_faster`] when the user has not chosen a precision; `python benchmarks/precision.py` measures both precisions
+at length and prints what the rule picks.
 """
 
+import json
 import logging
+import math
+import os
+import platform
+import time
+from pathlib import Path
 
 import torch
 
 
 logger = logging.getLogger(__name__)
 _warned = set()
+_speedups: dict[str, float] = {}  # this process's cache of the probe, by CPU
+# bf16 is chosen on a CPU where its matmuls run at least this many times float32's: measured, bf16 ran 2.1-4.2x on
+# CPUs with AMX or a fast AVX512-BF16, and 0.02-0.6x where it is emulated (AVX2, AVX512 without BF16, a slow
+# AVX512-BF16); the margin keeps the probe's noise on a busy machine from choosing a precision no faster.
+BF16_SPEEDUP_NEEDED = 1.25
+SPEEDUP_CACHE_FILE = "cpu_bf16_speedup.json"
 
 
 def device_type(use_cpu: bool = False) -> str:
@@ -34,13 +47,102 @@ def device_type(use_cpu: bool = False) -> str:
     return torch.accelerator.current_accelerator().type
 
 
-def has_native_bf16(device: str | torch.device | None = None) -> bool:
+def _best_seconds(dtype: torch.dtype, size: int, calls: int) -> float:
+    # The fastest of `calls` products of two `size` x `size` matrices, after one untimed product
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    a @ b
+    best = math.inf
+    for _ in range(calls):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_cpu_bf16_speedup() -> float:
     """
-    Whether a device computes bf16 natively, so that bf16 runs faster than float32 there.
+    How many times faster bf16 matmuls run than float32 ones on this CPU, with torch's current kernels and threads.
+
+    A quick look at 256 x 256 products first: emulated bf16 (tens of times slower) is told at once. Otherwise 1024 x
+    1024 products of the two precisions alternate, and the fastest of each is compared, which another process's load
+    disturbs least. Takes about a second.
+
+    Returns:
+        `float`: bf16 matmul throughput over float32's (above 1: bf16 is faster).
+    """
+    quick = _best_seconds(torch.float32, 256, 3) / _best_seconds(torch.bfloat16, 256, 3)
+    if quick < 0.25:
+        return quick
+    fp32 = bf16 = math.inf
+    for _ in range(5):
+        fp32, bf16 = min(fp32, _best_seconds(torch.float32, 1024, 1)), min(bf16, _best_seconds(torch.bfloat16, 1024, 1))
+        if bf16 > 4 * fp32:  # slow beyond doubt: no need for more products
+            break
+    return fp32 / bf16
+
+
+def cpu_name() -> str:
+    """The CPU's model name (`/proc/cpuinfo` on Linux, the platform's processor elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _speedup_key() -> str:
+    # What decides the probe's result: the CPU, torch, and the kernels torch and oneDNN are allowed to use
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "")
+    return f"{cpu_name()} | torch {torch.__version__} | {torch.backends.cpu.get_cpu_capability()} | oneDNN {isa or 'any'}"
+
+
+def speedup_cache_path() -> Path:
+    """Where [`cpu_bf16_speedup`] keeps its measurements: `$XDG_CACHE_HOME/trl_topr` (`~/.cache/trl_topr`)."""
+    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "trl_topr" / SPEEDUP_CACHE_FILE
+
+
+def cpu_bf16_speedup() -> float:
+    """
+    [`measure_cpu_bf16_speedup`] for this CPU, measured once per CPU model, torch version and kernel set, and cached
+    on disk ([`speedup_cache_path`]). The processes of one machine (`accelerate launch`) take turns on the cache file,
+    so one measures and all read the same value, and so choose the same precision.
+
+    Returns:
+        `float`: bf16 matmul throughput over float32's on this CPU.
+    """
+    from filelock import FileLock
+
+    key = _speedup_key()
+    if key in _speedups:
+        return _speedups[key]
+    path = speedup_cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(f"{path}.lock"):
+            try:
+                cached = json.loads(path.read_text())
+            except (OSError, ValueError):  # none yet, or unreadable: measured again
+                cached = {}
+            if key not in cached:
+                cached[key] = measure_cpu_bf16_speedup()
+                partial = path.with_suffix(f".partial-{os.getpid()}")
+                partial.write_text(json.dumps(cached, indent=1))
+                os.replace(partial, path)
+        _speedups[key] = cached[key]
+    except OSError as error:  # a read-only home: measured by this process, for this process
+        logger.warning(f"Could not use {path} ({error}): measuring bf16 against float32 in this process only.")
+        _speedups[key] = measure_cpu_bf16_speedup()
+    return _speedups[key]
+
+
+def bf16_is_faster(device: str | torch.device | None = None) -> bool:
+    """
+    Whether bf16 runs faster than float32 on a device, so that bf16 mixed precision is worth using there.
 
     - CUDA: GPUs with bf16 units (Ampere and newer); emulated bf16 does not count.
-    - CPU: AMX tiles. AVX512-BF16 alone does not count: how fast bf16 runs with it differs between CPUs
-      (`python benchmarks/precision.py` measures it on a machine).
+    - CPU: measured, [`cpu_bf16_speedup`] at least `BF16_SPEEDUP_NEEDED` (1.25).
     - Other accelerators: assumed, as TRL's default.
 
     Args:
@@ -48,30 +150,49 @@ def has_native_bf16(device: str | torch.device | None = None) -> bool:
             The device or its type. Defaults to the one a trainer would use (see [`device_type`]).
 
     Returns:
-        `bool`: `True` where bf16 is native.
+        `bool`: `True` where bf16 is faster.
 
     Example:
     ```python
-    >>> from trl_topr.precision import has_native_bf16
+    >>> from trl_topr.precision import bf16_is_faster
 
-    >>> has_native_bf16("cpu") in (True, False)  # AMX CPUs: True; AVX2, AVX512, AVX512-BF16: False
+    >>> bf16_is_faster("cpu") in (True, False)  # measured once on this CPU, then cached
     True
 
     ```
     """
     kind = torch.device(device).type if device is not None else device_type()
     if kind == "cpu":
-        return torch.cpu._is_amx_tile_supported()
+        return cpu_bf16_speedup() >= BF16_SPEEDUP_NEEDED
     if kind == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
     return True
 
 
+def precision_reason(device: str) -> str:
+    """
+    Why [`bf16_is_faster`] decides as it does on a device type: what a run prints with its choice.
+
+    Args:
+        device (`str`):
+            The device type (`"cpu"`, `"cuda"`, ...).
+
+    Returns:
+        `str`: the reason, in words.
+    """
+    if device == "cpu":
+        return (f"bf16 matmuls ran {cpu_bf16_speedup():.2f}x float32's on this CPU ({cpu_name()}), bf16 needs "
+                f"{BF16_SPEEDUP_NEEDED}x; measured once, cached in {speedup_cache_path()}")  # fmt: skip
+    if device == "cuda":
+        return "the GPU has bf16 units" if bf16_is_faster("cuda") else "the GPU has no bf16 units"
+    return f"bf16 assumed on {device}, as in TRL"
+
+
 def resolve_bf16(bf16: bool | None, fp16: bool = False, use_cpu: bool = False) -> bool:
     """
-    The `bf16` setting to train with: the user's choice when given, else bf16 where the training device has it
-    natively (see [`has_native_bf16`]) and fp16 is not asked for. An explicit `bf16=True` on a CPU without native bf16
-    is respected, with a warning.
+    The `bf16` setting to train with: the user's choice when given, else bf16 where it runs faster on the training
+    device (see [`bf16_is_faster`]) and fp16 is not asked for. The choice the rule makes is logged once per process with
+    its reason; an explicit `bf16=True` on a CPU where bf16 is slower is respected, with a warning.
 
     Args:
         bf16 (`bool`, *optional*):
@@ -86,13 +207,17 @@ def resolve_bf16(bf16: bool | None, fp16: bool = False, use_cpu: bool = False) -
     """
     device = device_type(use_cpu)
     if bf16 is None:
-        return not fp16 and has_native_bf16(device)
-    if bf16 and device == "cpu" and not has_native_bf16("cpu") and "cpu" not in _warned:
+        chosen = not fp16 and bf16_is_faster(device)
+        if not fp16 and ("chosen", device) not in _warned:
+            _warned.add(("chosen", device))
+            logger.info(f"Precision: {'bf16' if chosen else 'float32'} on {device} ({precision_reason(device)}). "
+                        f"Set `bf16` (`--bf16 true` / `--bf16 false`) to choose.")  # fmt: skip
+        return chosen
+    if bf16 and device == "cpu" and not bf16_is_faster("cpu") and "cpu" not in _warned:
         _warned.add("cpu")
         logger.warning(
-            "bf16=True on a CPU without AMX: bf16 can run slower than float32 there (emulated, or AVX512-BF16 "
-            "alone; `python benchmarks/precision.py` measures both on this machine). Pass `--bf16 false` "
-            "(`bf16=False`), or leave `bf16` unset and trl-topr picks its precision for this machine."
+            f"bf16=True on a CPU where bf16 runs slower than float32 ({precision_reason('cpu')}). Pass "
+            "`--bf16 false` (`bf16=False`), or leave `bf16` unset and trl-topr picks the faster precision."
         )
     return bf16
 
@@ -115,19 +240,19 @@ def apply_precision_defaults(args) -> None:
 def autocast(device: str | torch.device, bf16: bool | None = None):
     """
     The autocast context that inference (sampling, evaluation) runs under: bf16 where `bf16` says so (by default
-    where the device has native bf16), else a no-op.
+    where bf16 is faster on the device), else a no-op.
 
     Args:
         device (`str` or `torch.device`):
             The model's device.
         bf16 (`bool`, *optional*):
-            Whether to compute in bf16. Defaults to [`has_native_bf16`] of the device.
+            Whether to compute in bf16. Defaults to [`bf16_is_faster`] on the device.
 
     Returns:
         `torch.autocast`: the context manager.
     """
     kind = torch.device(device).type
-    enabled = has_native_bf16(kind) if bf16 is None else bf16
+    enabled = bf16_is_faster(kind) if bf16 is None else bf16
     return torch.autocast(device_type=kind, dtype=torch.bfloat16, enabled=enabled)
 
 

@@ -300,8 +300,8 @@ def generate_completions(
         progress (`bool`, *optional*, defaults to `True`):
             Show a progress bar over prompts, with the throughput.
         bf16 (`bool`, *optional*):
-            Generate under bf16 autocast (transformers). Defaults to the hardware: where the model's device computes
-            bf16 natively (see [`~trl_topr.precision.has_native_bf16`]).
+            Generate under bf16 autocast (transformers). Defaults to the hardware: where bf16 is faster on the
+            model's device (see [`~trl_topr.precision.bf16_is_faster`]).
         vllm_generation ([`~trl_topr.generation.vllm_engine.TOPRVLLMGeneration`], *optional*):
             Deprecated: use `engine`.
 

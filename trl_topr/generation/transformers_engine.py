@@ -64,7 +64,7 @@ class TransformersEngine(GenerationEngine):
         processing_class ([`~transformers.PreTrainedTokenizerBase`]):
             Its tokenizer.
         bf16 (`bool`, *optional*):
-            Generate under bf16 autocast. Defaults to the hardware (see [`~trl_topr.precision.has_native_bf16`]).
+            Generate under bf16 autocast. Defaults to the hardware (see [`~trl_topr.precision.bf16_is_faster`]).
         model_init_kwargs (`dict`, *optional*):
             Keyword arguments of `from_pretrained` for a folder given to `load_weights` without its model.
     """
