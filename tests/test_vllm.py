@@ -32,11 +32,7 @@ from trl_topr.sampling import generate_completions
 
 pytestmark = pytest.mark.vllm
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
-# vLLM's own CPU CI setting: dynamo + eager instead of inductor-compiled kernels. Measured on a 2-core AMD EPYC,
-# SmolLM2-135M in float32: an engine starts in 3.5 s instead of 61 s, its first generation takes 12 s instead of 1.3 s,
-# and it samples the same tokens. What these tests check (weights, log-probs, reloads, seeds) does not depend on the
-# compiler; the engines of the launched processes and of the server inherit the setting.
-os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
+# The engines run as users' do: eager on CPU (`vllm_enforce_eager`'s default there), the server with `--enforce-eager`.
 
 # Measured on SmolLM2-135M in float32, vLLM's CPU build against the trainer's forward of the same ids: per sequence of
 # up to 48 tokens, |log mu_vLLM - log mu_trainer| was at most 5.2e-4 (mean 2e-4) over 32 sequences. The bound leaves
@@ -117,6 +113,10 @@ def test_vllm_samples_train_from_step_zero_with_the_chosen_mu(smollm2, engine, t
 
 
 def test_vllm_sampling_settings_match_transformers(smollm2, engine):
+    from vllm.config import CompilationMode
+
+    config = engine.vllm_generation.llm.llm_engine.vllm_config  # on CPU, by default: eager, nothing compiled
+    assert config.model_config.enforce_eager and config.compilation_config.mode == CompilationMode.NONE
     path, tokenizer = smollm2
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     prompts = list(arithmetic(4)["prompt"])
@@ -203,7 +203,7 @@ def server(smollm2, tmp_path):
     port = free_port()
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--port", str(port),
                "--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory-bytes", str(1 << 30),
-               "--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192",
+               "--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192", "--enforce-eager",
                "--worker-extension-cls", "trl_topr.vllm.TOPRWorkerExtension"]  # fmt: skip
     log = open(tmp_path / "server.log", "w")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"})

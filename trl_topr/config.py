@@ -89,6 +89,10 @@ class VLLMArguments:
             Let a colocated engine release its memory while the model trains.
         vllm_model_impl (`str`, *optional*, defaults to `"vllm"`):
             vLLM's model implementation: `"vllm"` or `"transformers"`.
+        vllm_enforce_eager (`bool`, *optional*):
+            vLLM's `enforce_eager` for a colocated engine (a server takes `--enforce-eager`): run the model without
+            compiling it. Defaults to `True` on CPU, where vLLM's compilation holds up the first token for about a
+            minute, and to vLLM's own default (compiled) on GPUs.
         behavior_logps_source (`str`, *optional*, defaults to `"trainer"`):
             Where the behavior log-probs mu of sampled completions come from. `"trainer"`: recomputed by the
             trainer's forward, exactly consistent with pi (one forward pass); the sampler's own log-probs, when it
@@ -108,6 +112,11 @@ class VLLMArguments:
     vllm_tensor_parallel_size: int = _like_grpo("vllm_tensor_parallel_size")
     vllm_enable_sleep_mode: bool = _like_grpo("vllm_enable_sleep_mode")
     vllm_model_impl: str = _like_grpo("vllm_model_impl")
+    vllm_enforce_eager: bool | None = field(
+        default=None,
+        metadata={"help": "vLLM's `enforce_eager` for a colocated engine: no compilation. Defaults to True on CPU "
+                  "(compiling holds up the first token for about a minute), vLLM's default on GPUs."},
+    )
     behavior_logps_source: str = field(
         default="trainer",
         metadata={"help": "Behavior log-probs of sampled completions: 'trainer' (recomputed by the trainer's forward, "

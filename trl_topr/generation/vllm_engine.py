@@ -96,6 +96,9 @@ class TOPRVLLMGeneration(VLLMGeneration):
         dtype (`str`, *optional*):
             Precision of a colocated engine. Defaults to the trainer's: bf16 under bf16 mixed precision, else the
             model's parameter dtype.
+        enforce_eager (`bool`, *optional*):
+            vLLM's `enforce_eager` for a colocated engine. Defaults to `True` on CPU, where compiling holds up the
+            first token for about a minute (docs/sampling.md gives the measurement), and to vLLM's default on GPUs.
         **kwargs:
             The arguments of TRL's `VLLMGeneration` (`mode`, `server_host`, `gpu_memory_utilization`...).
     """
@@ -109,6 +112,7 @@ class TOPRVLLMGeneration(VLLMGeneration):
         logprobs_mode: str = "processed_logprobs",
         weight_transfer: bool = True,
         dtype: str | None = None,
+        enforce_eager: bool | None = None,
         **kwargs: Any,
     ):
         if not hasattr(accelerator, "state"):  # a PartialState: what TRL's class reads of an Accelerator
@@ -117,7 +121,7 @@ class TOPRVLLMGeneration(VLLMGeneration):
         if dtype is None:
             bf16 = getattr(accelerator, "mixed_precision", "no") == "bf16"
             dtype = "bfloat16" if bf16 else str(model.dtype).removeprefix("torch.")
-        self.dtype = dtype
+        self.dtype, self.enforce_eager = dtype, enforce_eager
         # In-process engine, as TRL's colocate mode expects (its weight sync reaches into the engine's model)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         super().__init__(model, accelerator, processing_class, **kwargs)
@@ -148,9 +152,12 @@ class TOPRVLLMGeneration(VLLMGeneration):
         if _on_cpu():  # whole prompts prefilled at once: seeded requests prefilled in chunks kill the CPU engine
             max_model_len = self.max_model_length or self.model.config.max_position_embeddings
             engine_kwargs = dict(kv_cache_memory_bytes=CPU_KV_CACHE_BYTES, enable_chunked_prefill=False,
-                                 max_num_batched_tokens=max(max_model_len, 8192))  # fmt: skip
+                                 max_num_batched_tokens=max(max_model_len, 8192),
+                                 enforce_eager=self.enforce_eager is not False)  # fmt: skip
         else:
             engine_kwargs = dict(gpu_memory_utilization=self.gpu_memory_utilization, max_num_batched_tokens=4096)
+            if self.enforce_eager is not None:
+                engine_kwargs["enforce_eager"] = self.enforce_eager
         self.llm = LLM(
             model=self.model.name_or_path,
             dtype=self.dtype,
@@ -343,6 +350,7 @@ class VLLMEngine(GenerationEngine):
             tensor_parallel_size=args.vllm_tensor_parallel_size, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
             max_model_length=args.vllm_max_model_length, enable_sleep_mode=args.vllm_enable_sleep_mode,
             model_impl=args.vllm_model_impl, trust_remote_code=args.trust_remote_code,
+            enforce_eager=args.vllm_enforce_eager,
         )  # fmt: skip
         return cls(vllm_generation, end_of_sequence_ids(model, processing_class), folder=model.name_or_path)
 
