@@ -181,6 +181,8 @@ def common_args(spec: dict) -> dict:
         "per_device_train_batch_size": spec["batch"], "per_device_eval_batch_size": spec["batch"],
         "max_steps": spec["steps"], "logging_steps": 10**6, "save_strategy": "no", CHECKPOINTING: False,
         "learning_rate": 1e-5, "dataloader_num_workers": 0, "max_length": PROMPT_TOKENS + spec["length"] + 8,
+        **({"model_init_kwargs": {"attn_implementation": spec["attn"]}} if spec.get("attn") else {}),
+        **({"padding_free": True} if spec.get("padding_free") else {}),
     }
 
 
@@ -374,12 +376,16 @@ def main(argv=None) -> str:
     parser.add_argument("--profile", action="store_true", help="print each trainer's top operators (torch.profiler)")
     parser.add_argument("--mix", action="store_true", help="uneven completion lengths: tokens/s of batch layouts")
     parser.add_argument("--max_length", type=int, help="--mix: longest completion (default 512, 128 with --quick)")
+    parser.add_argument("--attn_implementation", help="the models' attention (e.g. flex_attention, flash_attention_2; "
+                        "default: transformers')")
+    parser.add_argument("--padding_free", action="store_true", help="SFT and TOPR padding-free (not with --mix, whose "
+                        "arms choose their layouts)")
     parser.add_argument("--out", help="results folder (default: benchmarks/results/cost[-mix][-cuda][-qlora]"
                                       "[-profile], outputs/ with --quick)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     name = "cost" + "-mix" * args.mix + "-cuda" * (args.device == "cuda") + "-qlora" * args.qlora
-    name += "-profile" * args.profile
+    name += "-pf" * args.padding_free + "-profile" * args.profile
     out = Path(args.out or ROOT / (f"outputs/{name}-quick" if args.quick else f"benchmarks/results/{name}"))
     started = time.time()
     if args.worker:
@@ -407,6 +413,7 @@ def main(argv=None) -> str:
             for batch in batches:
                 spec = {"model": folder, "length": length, "batch": batch, "steps": steps, "fp32": args.fp32,
                         "device": args.device, "qlora": args.qlora, "profile": args.profile,
+                        "attn": args.attn_implementation, "padding_free": args.padding_free,
                         "out": str(Path(tmp) / "out"), "data": str(Path(tmp) / f"data-{length}-{batch}.json")}
                 rows = make_rows(folder, length, steps * batch)
                 rows["behavior_logps"] = behavior_logps(folder, rows, spec)
@@ -460,6 +467,8 @@ def main(argv=None) -> str:
     if args.qlora:
         precision = "NF4 4-bit base + LoRA r=16 (all linear layers), " + precision
     extra = "; KTO = policy + reference forwards on matched and mismatched (KL) pairs" if kto else ""
+    precision += ", padding-free" * args.padding_free + f", {args.attn_implementation} attention" * bool(
+        args.attn_implementation)
     title = (f"{ARCHS[arch]}, {precision}, {where}, prompt {PROMPT_TOKENS} tokens, {steps} steps, {args.reps} rep(s)"
              f"{extra}; {time.perf_counter() - t0:.0f} s in all")
     profiles = []
@@ -494,6 +503,7 @@ def mix_main(args, out: Path, started: float, argv) -> str:
         for batch in batches:
             spec = {"model": folder, "length": longest, "batch": batch, "steps": 2 * steps_per_epoch,
                     "fp32": args.fp32, "device": args.device, "out": str(Path(tmp) / "out"),
+                    "attn": args.attn_implementation,
                     "data": str(Path(tmp) / f"data-{batch}.json")}
             rows = make_mixed_rows(folder, steps_per_epoch * batch, longest)
             rows["behavior_logps"] = behavior_logps(folder, rows, spec)
@@ -530,6 +540,7 @@ def mix_main(args, out: Path, started: float, argv) -> str:
     table = "\n".join(lines)
     precision = "bf16 autocast" if bf16(args.fp32, args.device) else "fp32"
     where = torch_device_name(args.device)
+    precision += f", {args.attn_implementation} attention" * bool(args.attn_implementation)
     title = (f"{ARCHS[arch]}, {precision}, {where}, prompt {PROMPT_TOKENS} tokens, completions of 4-{longest} tokens "
              f"(log-uniform), {steps_per_epoch} steps an epoch, tokens/s over epoch 2 of 2, {args.reps} rep(s); "
              f"{time.perf_counter() - t0:.0f} s in all")

@@ -5,7 +5,7 @@
 # benchmarks' own results (results.json, table.md) go to $GPU_LOGS/<part>/. Copy the folder to
 # benchmarks/results/gpu-<name>/ to publish it.
 #
-#   bash benchmarks/gpu.sh                        # all parts: tests cost qlora profile sampling recipe
+#   bash benchmarks/gpu.sh                        # all parts: tests cost qlora profile sampling recipe padding-free
 #   bash benchmarks/gpu.sh tests qlora            # some of them
 #
 #   tests     the GPU-marked tests (`pytest -m gpu`): NF4 QLoRA training, its gradient against the dequantized model,
@@ -14,6 +14,9 @@
 #   qlora     the same in NF4 QLoRA
 #   profile   cost's L=1024 cell under torch.profiler: each trainer's device time and its costliest operators
 #   sampling  generate_completions against plain model.generate, SmolLM2-135M-Instruct (add --vllm where installed)
+#   padding-free  the GPU-marked padding-free test; TOPR padding-free against padded on cost.py --mix's uneven lengths
+#             (Qwen2.5-0.5B's architecture, flex attention, which keeps flattened rows apart without a dense mask);
+#             full-bf16 TOPR and SFT padding-free at L=1024 (MFU). Not yet run on a GPU
 #   recipe    one short round of recipes/gsm8k.py with the quick GPU config (recipes/configs/qwen2.5_0.5b.yaml) on
 #             $GSM8K_MODEL (default: the embedded SmolLM2-135M-Instruct) and $GSM8K_PATH (default: the Hub's GSM8K)
 #
@@ -36,7 +39,7 @@ run() {  # run NAME LIMIT_S COMMAND...: its log to $LOGS/NAME.log, recorded; its
 }
 
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tests cost qlora profile sampling recipe)
+[ ${#parts[@]} -eq 0 ] && parts=(tests cost qlora profile sampling recipe padding-free)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python -c "import torch, transformers, trl, peft; print('torch', torch.__version__, '| transformers',
 transformers.__version__, '| trl', trl.__version__, '| peft', peft.__version__)"
@@ -58,6 +61,13 @@ for part in "${parts[@]}"; do
             run recipe 540 python recipes/gsm8k.py --config recipes/configs/qwen2.5_0.5b.yaml \
                 --model_name_or_path "$model" "${data[@]}" --num_train_prompts 128 --num_eval_prompts 128 \
                 --num_rounds 1 --output_dir outputs/gpu-recipe-model ;;
-        *) echo "unknown part: $part (tests cost qlora profile sampling recipe)"; exit 2 ;;
+        padding-free)
+            run padding-free-test 120 python -m pytest -q -m gpu -rs tests/test_padding_free.py
+            run padding-free-mix 240 python benchmarks/cost.py --mix --device cuda --arch qwen2.5-0.5b \
+                --attn_implementation flex_attention --out "$LOGS/cost-mix"
+            run padding-free-mfu 150 python benchmarks/cost.py --device cuda --arch qwen2.5-0.5b --trainers SFT TOPR \
+                --padding_free --attn_implementation flex_attention --lengths 1024 --batches 8 --steps 10 \
+                --out "$LOGS/cost-pf" ;;
+        *) echo "unknown part: $part (tests cost qlora profile sampling recipe padding-free)"; exit 2 ;;
     esac
 done
