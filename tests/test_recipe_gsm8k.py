@@ -9,7 +9,6 @@ import warnings
 from pathlib import Path
 
 import pytest
-import torch
 from trl import ModelConfig
 
 from trl_topr import TOPRConfig
@@ -167,12 +166,14 @@ def embedded_args(tiny_model_path, output_dir):
     ])
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_embedded_default_picks_the_precision_of_the_hardware(native, tiny_model_path, tmp_path, monkeypatch):
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: native)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+@pytest.mark.parametrize("fast", [True, False])
+def test_embedded_default_picks_the_precision_of_the_hardware(fast, tiny_model_path, tmp_path, monkeypatch):
+    import trl_topr.precision
+
+    # a CPU where the precision probe found bf16 3x faster than float32, or 2x slower
+    monkeypatch.setattr(trl_topr.precision, "cpu_bf16_speedup", lambda: 3.0 if fast else 0.5)
     _, training_args, _ = embedded_args(tiny_model_path, tmp_path)
-    assert training_args.bf16 is native
+    assert training_args.bf16 is fast
 
 
 def test_embedded_default_path_raises_no_deprecation_warning(tiny_model_path, tmp_path, capsys):
