@@ -3,6 +3,7 @@ learning are measured by the benchmarks themselves, side by side, never by timed
 
 import importlib.util
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -120,6 +121,27 @@ def test_precision_benchmark_prints_both_precisions_and_the_choice(capsys, tmp_p
     check_provenance(tmp_path, f"python benchmarks/precision.py --quick --reps 1 --out {tmp_path}")
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["picks"] == row.split("|")[-2].strip() and results["fp32_gflops"] > 0
+
+
+def test_memory_benchmark_puts_labelled_runs_side_by_side(capsys, tmp_path, tiny_model_path):
+    memory = load("memory")
+    options = ["--model", tiny_model_path, "--prompts", "2", "--max_new_tokens", "4", "--out", str(tmp_path)]
+    memory.main(options + ["--label", "first", "--rounds", "3"])
+    table = memory.main(options + ["--label", "second", "--rounds", "1"])
+    assert table in capsys.readouterr().out and table in (tmp_path / "table.md").read_text()
+    title, _, header, _rule, *rows = table.splitlines()
+    assert title.startswith("single, 1 process(es)")
+    assert re.search(r"first: peak [+-]\d+\.\d%, live [+-]\d+\.\d%; second: peak n/a, live n/a$", title)
+    assert "first: peak GiB" in header and "second: peak GiB" in header
+    assert [row.split("|")[1].strip() for row in rows] == ["0", "1", "2", "3"]
+    assert rows[3].split("|")[-5:-1] == [" - "] * 4  # the second run stopped after round 1
+    run = json.loads((tmp_path / "single-first.json").read_text())
+    (process,) = run["processes"]
+    assert [r["round"] for r in process["rounds"]] == [0, 1, 2, 3] and run["exit_status"] == 0
+    for r in process["rounds"][1:]:
+        assert r["peak"] >= r["rss_live"] > 0 and r["rss_start"] > 0 and r["earlier_trainers_alive"] == 0
+    runs = json.loads((tmp_path / "provenance.json").read_text())["runs"]
+    assert [r["command"].split("--label ")[1].split()[0] for r in runs] == ["first", "second"]
 
 
 def test_provenance_command_records_a_command_its_log_and_kept_files(tmp_path):
