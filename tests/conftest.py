@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny Llama built from a config with a small BPE tokenizer, saved once per session."""
 
 import os
+import weakref
 
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -17,7 +18,7 @@ from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects  
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
-from trl_topr import TOPRConfig  # noqa: E402
+from trl_topr import TOPRConfig, TOPRTrainer  # noqa: E402
 from trl_topr.config import CHECKPOINTING  # noqa: E402
 
 
@@ -51,6 +52,32 @@ def end_processes() -> None:
     state.wait_for_everyone()
     gc.collect()
     state.destroy_process_group()
+
+
+def recording_trainer(trained: list) -> type:
+    """
+    A [`TOPRTrainer`] that appends `(name, weak reference)` pairs to `trained` after `train`: the trainer, its model,
+    the model it trained (a DDP wrapper or DeepSpeed engine, or the model itself) and its optimizers (accelerate's
+    wrapper and the one inside). Put in place of `trl_topr.loop.TOPRTrainer`, it shows what the loop's rounds leave
+    alive ([`alive`]).
+    """
+
+    class RecordingTrainer(TOPRTrainer):
+        def train(self, *args, **kwargs):
+            output = super().train(*args, **kwargs)
+            optimizer = self.optimizer
+            for name, held in (("trainer", self), ("model", self.model), ("trained model", self.model_wrapped),
+                               ("optimizer", optimizer), ("inner optimizer", getattr(optimizer, "optimizer", None))):
+                if held is not None:
+                    trained.append((name, weakref.ref(held)))
+            return output
+
+    return RecordingTrainer
+
+
+def alive(trained: list) -> list[str]:
+    """The names of the objects recorded by [`recording_trainer`] that are still alive."""
+    return [name for name, reference in trained if reference() is not None]
 
 
 def build_tiny_model(folder: str, seed: int = 0, hidden_size: int = 32) -> str:

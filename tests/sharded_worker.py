@@ -31,10 +31,11 @@ def main(engine: str, tests_dir: str, model_path: str, other_model_path: str, da
     sys.path.insert(0, tests_dir)
     if engine == "fsdp2":
         reapply_fsdp_plugin()
-    from conftest import make_args
+    from conftest import alive, make_args, recording_trainer
     from datasets import Dataset
     from peft import LoraConfig
 
+    import trl_topr.loop
     from trl_topr import TOPRTrainer, run_topr_loop
     from trl_topr.distributed import weights_fingerprint
     from trl_topr.generation import SamplingSettings
@@ -73,6 +74,8 @@ def main(engine: str, tests_dir: str, model_path: str, other_model_path: str, da
     prompts = Dataset.from_dict({"prompt": [f"What is {i} + 3?" for i in range(6)],
                                  "answer": [str(i + 3) for i in range(6)]})
     loop_args = make_args(output / "loop", max_steps=-1, per_device_train_batch_size=2, padding_free=padding_free)
+    trained = []  # what the loop's rounds trained with: nothing of it may outlive its round
+    trl_topr.loop.TOPRTrainer = recording_trainer(trained)
     result["rounds"] = run_topr_loop(
         model_path, prompts, correct, loop_args, num_rounds=2, peft_config=peft_config, replay_rounds=1,
         eval_prompts=prompts.select(range(5)),  # an odd number: uneven shares on 2 processes
@@ -80,6 +83,7 @@ def main(engine: str, tests_dir: str, model_path: str, other_model_path: str, da
         sampling=SamplingSettings(num_samples=2, max_new_tokens=6), progress=False,
         eval_sampling=SamplingSettings(num_samples=2, max_new_tokens=6, seed=0),
     )
+    result["loop_trained"], result["loop_alive"] = [name for name, _ in trained], alive(trained)
     result["world"] = torch.distributed.get_world_size()
     if state.is_main_process:
         (output / "result.json").write_text(json.dumps(result))

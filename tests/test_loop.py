@@ -7,7 +7,7 @@ import os
 import re
 
 import pytest
-from conftest import make_args
+from conftest import alive, make_args, recording_trainer
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -132,6 +132,22 @@ def test_loop_runs_rounds_writes_metrics_and_resumes(tiny_model_path, tmp_path):
     metrics.write_text("\n".join([lines[0], lines[1][:20], lines[2]]) + "\n")
     with pytest.raises(ValueError, match="line 2, is not JSON"):
         read_rounds(str(tmp_path / "loop"))
+
+
+def test_loop_frees_each_rounds_trainer_model_and_optimizer(tiny_model_path, tmp_path, monkeypatch):
+    # What a finished round leaves alive adds up round after round (its model and optimizer states: under DeepSpeed
+    # ZeRO-3, the whole engine; see tests/test_sharded.py). Checked without a garbage collection of the test's own: a
+    # trained model refers to itself (its patched `forward` is a method bound to it), so only a collection frees it,
+    # and the loop must not leave that to chance (the next round would load its model and optimizer next to it).
+    import trl_topr.loop
+
+    trained = []
+    monkeypatch.setattr(trl_topr.loop, "TOPRTrainer", recording_trainer(trained))
+    args = make_args(tmp_path / "loop", per_device_train_batch_size=4, max_steps=-1)
+    run_topr_loop(tiny_model_path, prompts(2), correct, args, num_rounds=2, progress=False,
+                  sampling=SamplingSettings(num_samples=2, max_new_tokens=4))  # fmt: skip
+    assert [name for name, _ in trained].count("optimizer") == 2  # both rounds recorded
+    assert alive(trained) == []
 
 
 def test_a_one_sided_round_trains_with_baseline_0_under_a_target_fraction(tiny_model_path, tmp_path):

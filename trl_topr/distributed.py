@@ -9,6 +9,9 @@ log-prob precompute) needs them whole. One rule for all of them:
 - FSDP2: nothing to gather; the forward all-gathers layer by layer, so the processes must run the same number of
   forwards (callers split work evenly, and `generate` synchronizes the processes' steps).
 - DDP, one process: nothing to do.
+
+A trainer that is done lets go of its model, optimizer and training engine with [`release_trainer`] (what the engines
+keep outside the trainer would otherwise outlive it).
 """
 
 import contextlib
@@ -209,3 +212,36 @@ def map_across_processes(items: Sequence, work: Callable[[list, int], list]) -> 
     if len(results) != size:
         raise ValueError(f"`work` returned {len(results)} results for {size} items.")
     return gather_object(results)[: len(items)]
+
+
+def release_trainer(trainer) -> None:
+    """
+    Let a trainer that is done free its model, optimizer and training engine with itself: drop what accelerate, and
+    DeepSpeed ZeRO-3 in its module-level registries, keep of them.
+
+    - [`~accelerate.Accelerator.free_memory`] drops accelerate's references and destroys a DeepSpeed engine, which
+      removes its hooks from the parameters (held by torch, where `gc` cannot see the reference cycles they close).
+    - DeepSpeed ZeRO-3 never empties two registries that reach the whole engine (model, optimizer states) through the
+      model: the stack of modules in forward (`FWD_MODULE_STACK`), which every engine's model joins at its start, and
+      the cache of the parameters to release per module and step (a `functools.lru_cache` on a method of
+      `PartitionedParameterCoordinator`, keyed by the modules). Without this, every trainer of a process stays in
+      memory (every round of [`~trl_topr.run_topr_loop`]). The model leaves the stack, and the cache, which only saves
+      recomputing a set per module, is emptied (for every engine: call this between trainings).
+
+    Args:
+        trainer ([`~transformers.Trainer`]):
+            A trainer that will not be used again.
+    """
+    engine = getattr(trainer, "deepspeed", None) if trainer.is_deepspeed_enabled else None
+    trainer.accelerator.free_memory()
+    if engine is None:
+        return
+    from deepspeed.runtime.zero import parameter_offload, partitioned_param_coordinator
+
+    stack = getattr(parameter_offload, "FWD_MODULE_STACK", [])
+    stack[:] = [module for module in stack if module is not engine.module]
+    coordinator = getattr(partitioned_param_coordinator, "PartitionedParameterCoordinator", object)
+    for method in vars(coordinator).values():  # cached methods, some inside DeepSpeed's NVTX wrapper (a closure)
+        for function in (method, *(cell.cell_contents for cell in getattr(method, "__closure__", None) or ())):
+            if hasattr(function, "cache_clear"):
+                function.cache_clear()

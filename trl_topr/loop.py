@@ -13,9 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 from accelerate import PartialState
 from accelerate.logging import get_logger
+from accelerate.utils.memory import clear_device_cache
 from datasets import Dataset
 from peft import PeftModel
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -24,7 +24,7 @@ from trl.trainer.utils import create_model_from_path
 from .composition import effective_positive_fraction
 from .config import TOPRConfig
 from .data import PROMPT, REWARD, check_prompts
-from .distributed import check_saves_whole_weights, unsharded_loading
+from .distributed import check_saves_whole_weights, release_trainer, unsharded_loading
 from .evaluation import evaluate_with_engine
 from .generation import GenerationEngine, SamplingSettings, generation_engine
 from .replay import (
@@ -256,9 +256,9 @@ def run_topr_loop(
             log.record({"round": round_index, **_round_metrics(samples, own, train_data, trainer, train_loss), **ages,
                         **evaluate(str(round_dir), trainer.model, getattr(trainer, "deepspeed", None))})  # fmt: skip
             engine.release_weights()
+            release_trainer(trainer)  # the round's model, optimizer and training engine go with it
             del trainer, policy
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            clear_device_cache(garbage_collection=True)  # now, not later: a model sits in reference cycles
     finally:
         if engine_of_the_loop and engine is not None:
             engine.close()  # keeps the processes' torch.distributed group for the script's next steps
