@@ -320,6 +320,34 @@ def embedded_metric(key: str, which: int, folder: str = "embedded") -> str:
     return f"{embedded_rounds(folder)[which][key]:.3f}"
 
 
+PRECISION_RUNS = {  # results folder: the kernels it was measured with (the same CPU, held back by environment variables)
+    "precision": "as the CPU allows",
+    "precision-avx512": "oneDNN held to AVX512 without BF16",
+    "precision-avx2": "torch and oneDNN held to AVX2",
+}
+
+
+def precision_table() -> str:
+    """bf16 against float32 matmuls with each kernel set measured, the library's probe beside them, and its choice."""
+    lines = ["| kernels | fp32 GFLOP/s | bf16 GFLOP/s | bf16/fp32 | the probe's bf16/fp32 | trl-topr picks |",
+             "|---|---|---|---|---|---|"]
+    for folder, kernels in PRECISION_RUNS.items():
+        r = load(folder)
+        lines.append(f"| {kernels} | {r['fp32_gflops']:.1f} | {r['bf16_gflops']:.1f} | {r['bf16_over_fp32']:.2f} | "
+                     f"{r['probe_bf16_over_fp32']:.2f} | {r['picks']} |")
+    return "\n".join(lines)
+
+
+def embedded_precision(folder: str = "embedded") -> str:
+    """The precision the recipe trained in, as its summary says ("... in bf16 on cpu.")."""
+    return re.search(r" in (\w+) on \w+\.\n", load(folder, "log.txt")).group(1)
+
+
+def embedded_probe(folder: str = "embedded") -> str:
+    """The bf16/float32 speedup the precision rule measured in that run, as it logged it."""
+    return re.search(r"bf16 matmuls ran ([\d.]+)x float32's", load(folder, "log.txt")).group(1)
+
+
 def table(folder: str, name: str = "table.md", index: int = 0) -> str:
     """The `index`-th markdown table of a result file."""
     return tables(load(folder, name))[index]
@@ -463,7 +491,7 @@ QUOTES: dict[str, Callable[[], str]] = {
     "sampling-vllm.ratio": lambda: ratio("sampling-vllm", "ratio to transformers (target >= 2)", 1),
     "sampling-vllm.start": lambda: f"{load('sampling-vllm')['vllm']['start_seconds']:.0f} s",
     "sampling-vllm.reload": lambda: f"{statistics.median(load('sampling-vllm')['vllm']['reload_seconds']):.2f} s",
-    "precision.table": lambda: table("precision"),
+    "precision.table": precision_table,
     "precision.machine": lambda: machine("precision"),
     "precision.ratio": lambda: f"{load('precision')['bf16_over_fp32']:.2f}",
     "precision.picks": lambda: load("precision")["picks"],
