@@ -181,8 +181,10 @@ def precision_reason(device: str) -> str:
         `str`: the reason, in words.
     """
     if device == "cpu":
+        path = speedup_cache_path()
+        shown = f"~/{path.relative_to(Path.home())}" if path.is_relative_to(Path.home()) else str(path)
         return (f"bf16 matmuls ran {cpu_bf16_speedup():.2f}x float32's on this CPU ({cpu_name()}), bf16 needs "
-                f"{BF16_SPEEDUP_NEEDED}x; measured once, cached in {speedup_cache_path()}")  # fmt: skip
+                f"{BF16_SPEEDUP_NEEDED}x; measured once, cached in {shown}")  # fmt: skip
     if device == "cuda":
         return "the GPU has bf16 units" if bf16_is_faster("cuda") else "the GPU has no bf16 units"
     return f"bf16 assumed on {device}, as in TRL"
