@@ -348,6 +348,27 @@ def embedded_probe(folder: str = "embedded") -> str:
     return re.search(r"bf16 matmuls ran ([\d.]+)x float32's", load(folder, "log.txt")).group(1)
 
 
+def vllm_startup(arm: str, key: str) -> float:
+    """A median over the repetitions of one arm of `benchmarks/vllm_startup.py` ("eager" or "compiled")."""
+    return statistics.median(run[key] for run in load("vllm-startup")["runs"][arm])
+
+
+def vllm_startup_span(arm: str, key: str) -> str:
+    """The lowest and highest seconds over an arm's repetitions (a cold compile cache, then a warm one)."""
+    values = [run[key] for run in load("vllm-startup")["runs"][arm]]
+    return f"{min(values):.0f}-{max(values):.0f} s"
+
+
+def memory_leak(run: str) -> str:
+    """How much live memory a run of `benchmarks/memory.py` gained a round, from round 1 to its last (the process
+    that gained most): "1.8 GiB"."""
+    per_round = []
+    for process in load("memory", f"{run}.json")["processes"]:
+        live = [r["rss_live"] for r in process["rounds"] if r["round"] >= 1]
+        per_round.append((live[-1] - live[0]) / (len(live) - 1))
+    return f"{max(per_round) / 2**30:.1f} GiB"
+
+
 def table(folder: str, name: str = "table.md", index: int = 0) -> str:
     """The `index`-th markdown table of a result file."""
     return tables(load(folder, name))[index]
@@ -395,9 +416,15 @@ QUOTES: dict[str, Callable[[], str]] = {
     "embedded.time": lambda: duration(provenance("embedded")["seconds"]),
     "embedded.machine": lambda: machine("embedded"),
     "embedded-avx2.time": lambda: duration(provenance("embedded-avx2")["seconds"]),
-    "embedded-avx2.same": lambda: "the same numbers both ways" if embedded_table("embedded-avx2") == embedded_table()
-    else "the numbers differ with the AVX2 cap: see `benchmarks/results/embedded-avx2/`",
-    "embedded-bf16.time": lambda: duration(provenance("embedded-bf16")["seconds"]),
+    "embedded.precision": embedded_precision,
+    "embedded.probe": embedded_probe,
+    "embedded.precision_line": lambda: "```\n" + re.search(r"Precision: .*", load("embedded", "log.txt")).group(0)
+    + "\n```",
+    "embedded-fp32.time": lambda: duration(provenance("embedded-fp32")["seconds"]),
+    "embedded-avx2.precision": lambda: embedded_precision("embedded-avx2"),
+    "embedded-avx2.same": lambda: "the same numbers as the float32 run"
+    if embedded_table("embedded-avx2") == embedded_table("embedded-fp32")
+    else "numbers that differ from the float32 run's: see `benchmarks/results/embedded-avx2/`",
     "embedded.greedy.before": lambda: embedded_metric("pass@1_greedy", 0),
     "embedded.greedy.after": lambda: embedded_metric("pass@1_greedy", -1),
     "embedded.invalid.before": lambda: embedded_metric("invalid_rate", 0),
@@ -495,6 +522,17 @@ QUOTES: dict[str, Callable[[], str]] = {
     "precision.machine": lambda: machine("precision"),
     "precision.ratio": lambda: f"{load('precision')['bf16_over_fp32']:.2f}",
     "precision.picks": lambda: load("precision")["picks"],
+    "precision-avx2.picks": lambda: load("precision-avx2")["picks"],
+    "precision-avx2.ratio": lambda: f"{load('precision-avx2')['bf16_over_fp32']:.2f}",
+    "precision-avx512.ratio": lambda: f"{load('precision-avx512')['bf16_over_fp32']:.2f}",
+    "vllm-startup.table": lambda: table("vllm-startup"),
+    "vllm-startup.eager": lambda: f"{vllm_startup('eager', 'start_up_s'):.0f} s",
+    "vllm-startup.compiled": lambda: vllm_startup_span("compiled", "start_up_s"),
+    "vllm-startup.first_samples": lambda: f"{vllm_startup('eager', 'to_first_samples_s'):.0f} s",
+    "vllm-startup.compiled_first_samples": lambda: vllm_startup_span("compiled", "to_first_samples_s"),
+    "vllm-startup.steady": lambda: f"{vllm_startup('eager', 'second_tokens_per_s') / vllm_startup('compiled', 'second_tokens_per_s'):.2f}",  # noqa: E501
+    "memory.table": lambda: load("memory", "table.md").strip(),
+    "memory.zero3_leak": lambda: memory_leak("zero3-before"),
     # one NVIDIA H100 (logs of benchmarks/gpu.sh)
     "gpu-h100.cost": lambda: table("gpu-h100", "cost-reps2.log"),
     "gpu-h100.qlora": lambda: table("gpu-h100", "qlora.log"),
@@ -506,6 +544,12 @@ QUOTES: dict[str, Callable[[], str]] = {
     "gpu-h100.tests": lambda: re.search(r"\d+ passed(, \d+ skipped)?", load("gpu-h100", "tests.log")).group(0),
     "gpu-h100.qlora_step": lambda: span(column(table("gpu-h100", "qlora.log"), "TOPR/SFT")),
     "gpu-h100.recipe": gpu_recipe_table,
+    "gpu-h100-padding-free.commit": lambda: provenance("gpu-h100-padding-free", 0)["commit"][:7],
+    "gpu-h100-padding-free.tests": lambda: re.search(r"\d+ passed", load("gpu-h100-padding-free",
+                                                                          "padding-free-test.log")).group(0),
+    "gpu-h100-padding-free.limits": lambda: " and ".join(
+        f"{run['seconds']:.0f} s" for run in [provenance("gpu-h100-padding-free", i) for i in (1, 2)]
+        if run["exit_status"] == 124),
     # the verifier recipe's embedded configuration
     "verifier.tables": verifier_tables,
     "verifier.time": lambda: duration(provenance("verifier-embedded")["seconds"]),
