@@ -21,8 +21,8 @@ repetition with --reps). s/step: median of the step times after the first (Train
 total: construction (tokenization, precompute) + train(). peak mem: peak RSS of that subprocess (sampled every 2 ms
 from just before the model is loaded to the end of training) minus its RSS then (after the imports): weights,
 optimizer states, gradients, activations, allocator slack; CPU RSS is coarse, so small ratios are noisy.
-Precision: as the hardware computes fastest (bf16 autocast where the CPU has AMX, else fp32), the
-same for every trainer; --fp32 forces fp32.
+Precision: as trl-topr picks it (bf16 autocast where its probe finds bf16 faster, else fp32), the same
+for every trainer; --fp32 forces fp32.
 
 On CUDA (--device cuda): bf16 mixed precision (float32 weights, TRL's default on a GPU), step times synchronized with
 the device, peak memory = `torch.cuda.max_memory_allocated` of the run. --arch qwen2.5-0.5b builds Qwen2.5-0.5B's

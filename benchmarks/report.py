@@ -365,6 +365,8 @@ def memory_leak(run: str) -> str:
     per_round = []
     for process in load("memory", f"{run}.json")["processes"]:
         live = [r["rss_live"] for r in process["rounds"] if r["round"] >= 1]
+        if len(live) < 2:
+            raise ValueError(f"{run}: fewer than 2 trained rounds recorded, no growth to measure")
         per_round.append((live[-1] - live[0]) / (len(live) - 1))
     return f"{max(per_round) / 2**30:.1f} GiB"
 

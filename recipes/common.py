@@ -3,7 +3,6 @@ few-shot prompts, the per-round evaluation table, publishing to the Hub, and the
 imports this module, never another recipe."""
 
 import json
-import logging
 import random
 import re
 from pathlib import Path
@@ -15,6 +14,7 @@ from huggingface_hub import HfApi
 
 from trl_topr import TOPRConfig
 from trl_topr.rewards import gold_answer
+from trl_topr.scripts.utils import show_messages
 
 
 INSTRUCTION = "Solve the problem step by step. End your response with 'The answer is N.' where N is the final number."
@@ -109,10 +109,6 @@ def refuse_publishing_nothing(script_args, training_args: TOPRConfig) -> None:
 def show_progress() -> None:
     """Print the loop's progress messages, and leave out the libraries' per-step progress bars (loading weights,
     tokenizing): the sampling and training bars remain."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", "%H:%M:%S"))
-    logger = logging.getLogger("trl_topr")
-    logger.setLevel(logging.INFO)
-    logger.addHandler(handler)
+    show_messages()
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()

@@ -134,6 +134,7 @@ def test_sample_command(tiny_model_path, tmp_path):
         cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "] Precision: " in result.stderr and "bf16 needs" in result.stderr  # the choice and why, printed
     rows = [json.loads(line) for line in output.read_text().splitlines()]
     assert len(rows) == 4 * 2
     for row in rows:

@@ -3,8 +3,8 @@ The vLLM backend under `accelerate launch` on 2 CPU processes, one colocated eng
 with the shipped DDP, DeepSpeed ZeRO-3 and FSDP2 configurations: the loop samples round 2 from round 1's weights on
 every process, and the online trainer's engines sample with the weights synced (gathered from the shards) every step.
 One launch per configuration runs both (an engine each; two launches under ZeRO-3, for memory): two to three
-minutes each here. Under ZeRO-3 each process reaches about 8.5 GB in the loop and 10.3 GB with the online trainer
-after it in the same launch (measured here: 22 GB of 24 for the two processes), so this module runs before
+minutes each here. Under ZeRO-3 the loop and the online trainer after it in one launch came close to a 24 GB
+machine's memory for the two processes (before the loop freed each round's engine), so this module runs before
 `tests/test_vllm.py` (file order), in a pytest process that has not yet held an engine.
 """
 
@@ -49,6 +49,8 @@ def test_loop_and_online_trainer_with_an_engine_in_each_of_two_processes(smollm2
     if "loop" in parts:  # both processes saw the same rounds, and kept their process group after closing engines
         assert results[0]["rounds"] == results[1]["rounds"]
         assert results[0]["world_after_loop"] == results[1]["world_after_loop"] == [2, 2]
+        for result in results:  # no round's trainer, model, engine or optimizer outlived it next to the vLLM engine
+            assert result["loop_trained"].count("optimizer") == 2 and result["loop_alive"] == []
         check_round_two_sampled_from_round_one(tmp_path / "out", path, tokenizer)
     if "online" in parts:
         for result in results:

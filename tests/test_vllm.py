@@ -23,6 +23,8 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from conftest import alive, recording_trainer
+
 from trl_topr import TOPRConfig, TOPRTrainer, run_topr_loop, sample_completions
 from trl_topr.config import CHECKPOINTING
 from trl_topr.rewards import extract_final_answer, gsm8k_reward
@@ -176,15 +178,22 @@ LOOP = dict(num_rounds=2, correct_func=gsm8k_reward, answer_func=extract_final_a
             eval_sampling=SamplingSettings(num_samples=2, max_new_tokens=24, seed=0), progress=False)  # fmt: skip
 
 
-def test_loop_with_colocated_vllm_samples_each_round_from_the_last_rounds_weights(smollm2, engine, tmp_path):
+def test_loop_with_colocated_vllm_samples_each_round_from_the_last_rounds_weights(smollm2, engine, tmp_path,
+                                                                               monkeypatch):
     # The module's engine, given to the loop (which starts its own without `engine`: the 2-process tests run that
-    # path): the loop reloads it with each round's weights and leaves it open.
+    # path): the loop reloads it with each round's weights and leaves it open. No round's trainer, model or optimizer
+    # outlives its round next to the engine (tests/test_loop.py checks the same without vLLM).
+    import trl_topr.loop
+
+    trained = []
+    monkeypatch.setattr(trl_topr.loop, "TOPRTrainer", recording_trainer(trained))
     path, tokenizer = smollm2
     output_dir = tmp_path / "loop"
     try:
         run_topr_loop(path, arithmetic(8), gsm8k_reward, loop_args(output_dir), eval_prompts=arithmetic(2),
                       engine=engine, replay_rounds=1, **LOOP)  # fmt: skip
         assert engine.folder == str(output_dir / "round-2") and engine.vllm_generation.llm is not None
+        assert [name for name, _ in trained].count("optimizer") == 2 and alive(trained) == []
         check_round_two_sampled_from_round_one(output_dir, path, tokenizer, replayed=True)
     finally:
         engine.load_weights(path)  # the initial weights back, for the module's other tests

@@ -27,15 +27,20 @@ def main(parts: str, engine: str, tests_dir: str, model_path: str, output_dir: s
         from sharded_worker import reapply_fsdp_plugin
 
         reapply_fsdp_plugin()
+    from conftest import alive, recording_trainer
     from test_vllm import LOOP, arithmetic, loop_args, online_args
 
+    import trl_topr.loop
     from trl_topr import TOPRGRPOTrainer, run_topr_loop
     from trl_topr.rewards import gsm8k_reward
 
     result = {}
     if "loop" in parts.split(","):
+        trained = []
+        trl_topr.loop.TOPRTrainer = recording_trainer(trained)  # what each round leaves alive (none should be)
         result["rounds"] = run_topr_loop(model_path, arithmetic(8), gsm8k_reward, loop_args(output_dir),
                                          eval_prompts=arithmetic(3), **LOOP)  # fmt: skip
+        result["loop_trained"], result["loop_alive"] = [name for name, _ in trained], alive(trained)
         # the loop has closed its engine by now: the processes keep their group (vLLM's teardown destroys it)
         result["world_after_loop"] = [PartialState().num_processes, torch.distributed.get_world_size()]
     if "online" in parts.split(","):

@@ -115,7 +115,7 @@ class VLLMArguments:
     vllm_enforce_eager: bool | None = field(
         default=None,
         metadata={"help": "vLLM's `enforce_eager` for a colocated engine: no compilation. Defaults to True on CPU "
-                  "(compiling holds up the first token for about a minute), vLLM's default on GPUs."},
+                  "(compiling holds up the first token for a minute or more), vLLM's default on GPUs."},
     )
     behavior_logps_source: str = field(
         default="trainer",

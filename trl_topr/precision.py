@@ -1,8 +1,9 @@
 """Precision chosen from the hardware: bf16 where it runs faster than float32 on the training device, float32 elsewhere.
 
 TRL's configurations turn bf16 mixed precision on by default. That is right on recent GPUs and wrong on many CPUs,
-where bf16 matmuls are emulated and run many times slower than float32. CPU flags do not settle it: with AVX512-BF16
-and no AMX, bf16 ran 4x faster than float32 on one CPU and 2x slower on another. So on a CPU the choice is measured: a
+where bf16 matmuls are emulated and run many times slower than float32. CPU flags do not settle it: on CPUs with
+AVX512-BF16 and no AMX, bf16 has run faster than float32 on one and slower on another (`benchmarks/results/precision*`
+and docs/benchmarks.md). So on a CPU the choice is measured: a
 short matmul probe ([`measure_cpu_bf16_speedup`], about a second), run once per CPU model and torch version and cached
 ([`cpu_bf16_speedup`]). Every place of this library that trains, samples or evaluates a model follows
 [`bf16_is_faster`] when the user has not chosen a precision; `python benchmarks/precision.py` measures both precisions
@@ -23,9 +24,9 @@ import torch
 logger = logging.getLogger(__name__)
 _warned = set()
 _speedups: dict[str, float] = {}  # this process's cache of the probe, by CPU
-# bf16 is chosen on a CPU where its matmuls run at least this many times float32's: measured, bf16 ran 2.1-4.2x on
-# CPUs with AMX or a fast AVX512-BF16, and 0.02-0.6x where it is emulated (AVX2, AVX512 without BF16, a slow
-# AVX512-BF16); the margin keeps the probe's noise on a busy machine from choosing a precision no faster.
+# bf16 is chosen on a CPU where its matmuls run at least this many times float32's. Where bf16 is native its matmuls
+# ran about twice float32's or more, where it is emulated well below 1 (`benchmarks/results/precision*`): the margin
+# keeps the probe's noise on a busy machine from choosing a precision that is no faster.
 BF16_SPEEDUP_NEEDED = 1.25
 SPEEDUP_CACHE_FILE = "cpu_bf16_speedup.json"
 
@@ -181,10 +182,11 @@ def precision_reason(device: str) -> str:
         `str`: the reason, in words.
     """
     if device == "cpu":
-        path = speedup_cache_path()
+        speedup, path = cpu_bf16_speedup(), speedup_cache_path()
         shown = f"~/{path.relative_to(Path.home())}" if path.is_relative_to(Path.home()) else str(path)
-        return (f"bf16 matmuls ran {cpu_bf16_speedup():.2f}x float32's on this CPU ({cpu_name()}), bf16 needs "
-                f"{BF16_SPEEDUP_NEEDED}x; measured once, cached in {shown}")  # fmt: skip
+        kept = f"measured once, cached in {shown}" if path.exists() else "measured by this process (no cache)"
+        return (f"bf16 matmuls ran {speedup:.2f}x float32's on this CPU ({cpu_name()}), bf16 needs "
+                f"{BF16_SPEEDUP_NEEDED}x; {kept}")  # fmt: skip
     if device == "cuda":
         return "the GPU has bf16 units" if bf16_is_faster("cuda") else "the GPU has no bf16 units"
     return f"bf16 assumed on {device}, as in TRL"
@@ -218,7 +220,7 @@ def resolve_bf16(bf16: bool | None, fp16: bool = False, use_cpu: bool = False) -
     if bf16 and device == "cpu" and not bf16_is_faster("cpu") and "cpu" not in _warned:
         _warned.add("cpu")
         logger.warning(
-            f"bf16=True on a CPU where bf16 runs slower than float32 ({precision_reason('cpu')}). Pass "
+            f"bf16=True on a CPU where bf16 is not clearly faster than float32 ({precision_reason('cpu')}). Pass "
             "`--bf16 false` (`bf16=False`), or leave `bf16` unset and trl-topr picks the faster precision."
         )
     return bf16

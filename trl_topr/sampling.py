@@ -422,8 +422,8 @@ def sample_completions(
         [`~datasets.Dataset`]: one row per completion with `prompt`, `completion`, `reward`, `behavior_logps` (one
         value per completion token, the whole completion), `prompt_ids` and `completion_ids` (the token ids generated
         from and generated, which training uses exactly: a completion cut at `max_new_tokens` gets no end token), one
-        column per reward function, `sampler_logps` (vLLM's raw log-prob of each completion token, with vLLM only),
-        and the prompt's other columns — the [`TOPRTrainer`] data contract, trainable
+        column `rewards/<name>` per reward function, `sampler_logps` (vLLM's raw log-prob of each completion token,
+        with vLLM only), and the prompt's other columns — the [`TOPRTrainer`] data contract, trainable
         with `args`. An empty completion (the model ended at once) is kept: it is trained on its end-of-sequence
         token, the decision to stop.
 

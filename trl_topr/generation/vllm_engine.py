@@ -98,7 +98,7 @@ class TOPRVLLMGeneration(VLLMGeneration):
             model's parameter dtype.
         enforce_eager (`bool`, *optional*):
             vLLM's `enforce_eager` for a colocated engine. Defaults to `True` on CPU, where compiling holds up the
-            first token for about a minute (docs/sampling.md gives the measurement), and to vLLM's default on GPUs.
+            first token for a minute or more (docs/sampling.md gives the measurement), and to vLLM's default on GPUs.
         **kwargs:
             The arguments of TRL's `VLLMGeneration` (`mode`, `server_host`, `gpu_memory_utilization`...).
     """

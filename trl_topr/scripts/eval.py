@@ -35,7 +35,14 @@ Without the launcher: `python -m trl_topr.scripts.eval ...`, or `accelerate laun
 
 from dataclasses import dataclass, field
 
-from trl_topr.scripts.utils import GenerationArguments, import_function, load_prompts, model_init_kwargs, resolve_model
+from trl_topr.scripts.utils import (
+    GenerationArguments,
+    import_function,
+    load_prompts,
+    model_init_kwargs,
+    resolve_model,
+    show_messages,
+)
 
 
 @dataclass
@@ -139,6 +146,7 @@ def make_parser(prog: str | None = None):
 
 
 if __name__ == "__main__":
+    show_messages()
     parser = make_parser()
     script_args, generation_args = parser.parse_args_and_config(fail_with_unknown_args=False)
     main(script_args, generation_args)

@@ -51,6 +51,7 @@ from trl_topr.scripts.utils import (
     model_init_kwargs,
     resolve_model,
     save_dataset,
+    show_messages,
 )
 
 
@@ -162,6 +163,7 @@ def make_parser(prog: str | None = None):
 
 
 if __name__ == "__main__":
+    show_messages()
     parser = make_parser()
     script_args, generation_args, vllm_args = parser.parse_args_and_config(fail_with_unknown_args=False)
     main(script_args, generation_args, vllm_args)

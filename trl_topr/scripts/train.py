@@ -40,7 +40,7 @@ import math
 import sys
 from pathlib import Path
 
-from trl_topr.scripts.utils import load_local_or_hub_dataset, resolve_model, set_model_init_kwargs
+from trl_topr.scripts.utils import load_local_or_hub_dataset, resolve_model, set_model_init_kwargs, show_messages
 
 
 PROBE_ROWS = 512  # training rows scored by the before/after log-prob table
@@ -277,4 +277,5 @@ def parse_args(args: list[str] | None = None):
 
 
 if __name__ == "__main__":
+    show_messages()
     main(*parse_args())

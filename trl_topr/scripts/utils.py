@@ -1,9 +1,10 @@
 """
-Helpers shared by the `trl-topr` scripts: the default model, dataset loading and saving, dotted-path imports, and the
-model / prompts / sampling arguments of `trl-topr sample` and `trl-topr eval`.
+Helpers shared by the `trl-topr` scripts: the default model, dataset loading and saving, dotted-path imports, the
+model / prompts / sampling arguments of `trl-topr sample` and `trl-topr eval`, and the library's messages.
 """
 
 import importlib
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -16,6 +17,21 @@ from trl_topr.embedded import smollm2_path  # noqa: F401  (the scripts' default 
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 REWARD_MODULES = ("trl_topr.rewards",)  # where a bare function name (no dot) is looked up
+
+
+def show_messages() -> None:
+    """
+    Print this library's messages (logger `trl_topr`, level INFO and above) with their time, as the `trl-topr`
+    commands and the recipes do: the precision chosen and why, the loop's progress. Python's logging shows only
+    warnings without this. A second call adds nothing.
+    """
+    logger = logging.getLogger("trl_topr")
+    logger.setLevel(logging.INFO)
+    if not any(getattr(handler, "_trl_topr", False) for handler in logger.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", "%H:%M:%S"))
+        handler._trl_topr = True
+        logger.addHandler(handler)
 
 
 def _is_saved_to_disk(folder: Path) -> bool:
