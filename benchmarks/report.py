@@ -359,6 +359,22 @@ def vllm_startup_span(arm: str, key: str) -> str:
     return f"{min(values):.0f}-{max(values):.0f} s"
 
 
+def memory_summary() -> str:
+    """Per engine and labelled run of `benchmarks/memory.py`: the growth of the peak and of the live memory after
+    round 2 (against round 2), the rounds run, and the most trainers of earlier rounds found alive."""
+    memory = benchmark("memory")
+    lines = ["| engine | run | rounds | peak after round 2 | live after round 2 | earlier trainers alive |",
+             "|---|---|---|---|---|---|"]
+    runs = sorted((load("memory", path.name) for path in (RESULTS / "memory").glob("*-*.json")),
+                  key=lambda run: (memory.ENGINES.index(run["engine"]), run["started"]))  # fmt: skip
+    for run in runs:
+        rounds = memory.largest(run)
+        trained = [r["round"] for r in rounds if r["round"] > 0]
+        lines.append(f"| {run['engine']} | {run['label']} | {len(trained)} | {memory.growth(rounds, 'peak')} | "
+                     f"{memory.growth(rounds, 'rss_live')} | {max(r['earlier_trainers_alive'] for r in rounds[1:])} |")
+    return "\n".join(lines)
+
+
 def memory_leak(run: str) -> str:
     """How much live memory a run of `benchmarks/memory.py` gained a round, from round 1 to its last (the process
     that gained most): "1.8 GiB"."""
@@ -535,6 +551,7 @@ QUOTES: dict[str, Callable[[], str]] = {
     "vllm-startup.steady": lambda: f"{vllm_startup('eager', 'second_tokens_per_s') / vllm_startup('compiled', 'second_tokens_per_s'):.2f}",  # noqa: E501
     "memory.table": lambda: load("memory", "table.md").strip(),
     "memory.zero3_leak": lambda: memory_leak("zero3-before"),
+    "memory.summary": memory_summary,
     # one NVIDIA H100 (logs of benchmarks/gpu.sh)
     "gpu-h100.cost": lambda: table("gpu-h100", "cost-reps2.log"),
     "gpu-h100.qlora": lambda: table("gpu-h100", "qlora.log"),
