@@ -25,8 +25,8 @@ reserve, which varies from round to round.
 Runs are kept by engine and `--label` (e.g. before and after a fix) as `<engine>-<label>.json` in --out (default
 benchmarks/results/memory), and `table.md` puts the labels of each engine side by side, with the growth of the peak
 and of the live memory from round 2 to the last round. The 2-process engines use the shipped configurations of
-`recipes/accelerate/`, changed as `tests/test_sharded.py` changes them for 2 CPU processes (DeepSpeed on CPU:
-`DS_ACCELERATOR=cpu`; FSDP2 re-applied over accelerate's fall-back to DDP on CPU). `vllm` runs in vLLM's own
+`recipes/accelerate/` as `tests/test_sharded.py` adapts them to 2 CPU processes (its `accelerate_config`; DeepSpeed
+on CPU: `DS_ACCELERATOR=cpu`; FSDP2 re-applied over accelerate's fall-back to DDP on CPU). `vllm` runs in vLLM's own
 environment (see `docs/sampling.md`), eager as trl-topr starts it on CPU.
 """
 
@@ -44,8 +44,12 @@ from pathlib import Path
 from provenance import ROOT, save
 
 
+# The sharded tests' 2-process CPU launch: their Accelerate configurations and FSDP2's re-application
+sys.path.insert(0, str(ROOT / "tests"))
+
+
 ENGINES = ("single", "ddp", "zero3", "fsdp2", "vllm")
-SHIPPED = {"ddp": "multi_gpu.yaml", "zero3": "zero3.yaml", "fsdp2": "fsdp.yaml"}  # in recipes/accelerate/
+SHARDED = ("ddp", "zero3", "fsdp2")  # 2 processes, launched as the sharded tests launch them
 GIB = 2**30
 
 
@@ -70,44 +74,6 @@ def trim() -> bool:
     return True
 
 
-def accelerate_config(engine: str, folder: Path) -> Path:
-    """The shipped Accelerate configuration of `engine`, for 2 CPU processes (as `tests/test_sharded.py`)."""
-    import yaml
-
-    config = yaml.safe_load((ROOT / "recipes" / "accelerate" / SHIPPED[engine]).read_text())
-    config.update(num_processes=2, mixed_precision="no", use_cpu=True)
-    if engine == "zero3":  # parameters partitioned even for a small model, weights saved whole for the next round
-        shipped = config.pop("deepspeed_config")
-        zero = {"stage": 3, "stage3_param_persistence_threshold": 0,
-                "stage3_gather_16bit_weights_on_model_save": shipped["zero3_save_16bit_model"]}  # fmt: skip
-        ds_config = {"zero_optimization": zero, "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
-                     "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}  # fmt: skip
-        (folder / "ds_config.json").write_text(json.dumps(ds_config))
-        config["deepspeed_config"] = {"deepspeed_config_file": str(folder / "ds_config.json"),
-                                      "zero3_init_flag": shipped["zero3_init_flag"]}  # fmt: skip
-        del config["mixed_precision"]
-    path = folder / "accelerate.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
-def reapply_fsdp_plugin() -> None:
-    # accelerate drops the FSDP plugin on a multi-process CPU run (DDP instead): re-apply it, as the sharded tests do
-    from accelerate import PartialState
-    from accelerate.state import AcceleratorState
-    from accelerate.utils import DistributedType
-
-    original = AcceleratorState.__init__
-
-    def init(self, *args, fsdp_plugin=None, **kwargs):
-        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
-        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
-            PartialState._shared_state["distributed_type"] = self.distributed_type = DistributedType.FSDP
-            self.fsdp_plugin = fsdp_plugin
-
-    AcceleratorState.__init__ = init
-
-
 def arithmetic(n: int, offset: int = 0):
     from datasets import Dataset
 
@@ -124,6 +90,8 @@ class OverBudget(Exception):
 def worker(spec: dict) -> None:
     """One process of a run: the loop, with its memory recorded at each round's start and end."""
     if spec["engine"] == "fsdp2":
+        from sharded_worker import reapply_fsdp_plugin
+
         reapply_fsdp_plugin()
     from accelerate import PartialState
     from accelerate.utils import gather_object
@@ -192,7 +160,9 @@ def launch(engine: str, spec: dict, work: Path) -> tuple[list[dict], int]:
     (work / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}  # fmt: skip
-    if engine in SHIPPED:
+    if engine in SHARDED:
+        from test_sharded import accelerate_config
+
         env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
         command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                    str(accelerate_config(engine, work)), __file__, "--worker", str(work / "spec.json")]  # fmt: skip
@@ -297,7 +267,7 @@ def main(argv=None) -> str:
         with tempfile.TemporaryDirectory() as work:
             spec = {"engine": args.engine, "rounds": args.rounds, "prompts": args.prompts, "samples": args.samples,
                     "max_new_tokens": args.max_new_tokens, "model": args.model or smollm2_path(),
-                    "budget": int(args.budget * total / (2 if args.engine in SHIPPED else 1)),
+                    "budget": int(args.budget * total / (2 if args.engine in SHARDED else 1)),
                     "mmap_threshold": args.mmap_threshold,
                     "output_dir": str(Path(work) / "loop")}  # fmt: skip
             processes, status = launch(args.engine, spec, Path(work))

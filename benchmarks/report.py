@@ -320,7 +320,8 @@ def embedded_metric(key: str, which: int, folder: str = "embedded") -> str:
     return f"{embedded_rounds(folder)[which][key]:.3f}"
 
 
-PRECISION_RUNS = {  # results folder: the kernels it was measured with (the same CPU, held back by environment variables)
+# results folder: the kernels it was measured with (the same CPU, held back by environment variables)
+PRECISION_RUNS = {
     "precision": "as the CPU allows",
     "precision-avx512": "oneDNN held to AVX512 without BF16",
     "precision-avx2": "torch and oneDNN held to AVX2",
@@ -346,6 +347,9 @@ def embedded_precision(folder: str = "embedded") -> str:
 def embedded_probe(folder: str = "embedded") -> str:
     """The bf16/float32 speedup the precision rule measured in that run, as it logged it."""
     return re.search(r"bf16 matmuls ran ([\d.]+)x float32's", load(folder, "log.txt")).group(1)
+
+
+STEADY = "second_tokens_per_s"  # vllm_startup.py's second generation: the engine warmed up
 
 
 def vllm_startup(arm: str, key: str) -> float:
@@ -548,7 +552,7 @@ QUOTES: dict[str, Callable[[], str]] = {
     "vllm-startup.compiled": lambda: vllm_startup_span("compiled", "start_up_s"),
     "vllm-startup.first_samples": lambda: f"{vllm_startup('eager', 'to_first_samples_s'):.0f} s",
     "vllm-startup.compiled_first_samples": lambda: vllm_startup_span("compiled", "to_first_samples_s"),
-    "vllm-startup.steady": lambda: f"{vllm_startup('eager', 'second_tokens_per_s') / vllm_startup('compiled', 'second_tokens_per_s'):.2f}",  # noqa: E501
+    "vllm-startup.steady": lambda: f"{vllm_startup('eager', STEADY) / vllm_startup('compiled', STEADY):.2f}",
     "memory.table": lambda: load("memory", "table.md").strip(),
     "memory.zero3_leak": lambda: memory_leak("zero3-before"),
     "memory.summary": memory_summary,

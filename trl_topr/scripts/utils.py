@@ -23,14 +23,13 @@ def show_messages() -> None:
     """
     Print this library's messages (logger `trl_topr`, level INFO and above) with their time, as the `trl-topr`
     commands and the recipes do: the precision chosen and why, the loop's progress. Python's logging shows only
-    warnings without this. A second call adds nothing.
+    warnings without this. Where the logger already has a handler (a second call, or the user's own), none is added.
     """
     logger = logging.getLogger("trl_topr")
     logger.setLevel(logging.INFO)
-    if not any(getattr(handler, "_trl_topr", False) for handler in logger.handlers):
+    if not logger.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", "%H:%M:%S"))
-        handler._trl_topr = True
         logger.addHandler(handler)
 
 
