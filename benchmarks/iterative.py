@@ -1,40 +1,47 @@
 """Iterative training at equal sampling budgets, the paper's regime: sample with the current model, train, repeat.
 TOPR against positives-only (RFT/STaR), REINFORCE, TOPR with a target positive fraction, TOPR on Anna Karenina-curated
 rounds and TRL's GRPOTrainer online on the same prompts and reward, each round on-policy; and, in the off-policy regime
-TOPR is made for, TOPR, TOPR with the paper's target positive fraction 0.2, positives-only, REINFORCE and truncated IS
-(TIS), each round replaying the samples of the rounds before it.
+TOPR is made for, TOPR (with target positive fractions 0.2, 0.5 and 0.8, or none), positives-only, REINFORCE and
+truncated IS (TIS), each round replaying the samples of the rounds before it.
 
-    python benchmarks/iterative.py --scale fast            # tiny Llama, digit reversal (its CPU time: docs/benchmarks.md)
-    python benchmarks/iterative.py --scale real            # SmolLM2-135M-Instruct, single-digit arithmetic: many hours
+    python benchmarks/iterative.py --scale fast            # tiny Llama, digit reversal (CPU time: docs/benchmarks.md)
+    python benchmarks/iterative.py --scale real --plan     # SmolLM2-135M-Instruct, two-digit products: the runs, hours
     python benchmarks/iterative.py --scale fast --quick    # smoke run (tests/test_benchmarks.py)
 
 Every finished run (method, learning rate, seed) is recorded in `runs/<method>.jsonl` of --out, committed with the
 results, and never trained again: run the command again, here or on another machine, to go on where it stopped
 (`--time_limit` stops cleanly after that many minutes; an unfinished run resumes from its last round under --work).
 Calls with different `--methods` can run side by side (each writes the results of the runs it has seen; run
-`--report_only` once they are done to write those of all). Learning rates are chosen on a validation split (sampled
-pass@1 after the last round), averaged over the first `sweep_seeds` seeds. On-policy methods climb their grid from its
+`--report_only` once they are done to write those of all).
+
+Learning rates are chosen per sampled completion: a run's criterion is the mean of its validation sampled pass@1 over
+rounds 1..R (the area under its learning curve, every round sampling as many completions), averaged over the first
+`sweep_seeds` seeds; the last round's validation score is kept beside it. On-policy arms climb their grid from its
 smallest rate and stop at the first rate that scores below a smaller one; while the best is at an edge of the rates
-scored, the next rate past it is scored too (up to two beyond the grid). Replay arms start from the best rate of their
-on-policy counterpart and climb from there, down first while it improves, then up, at most `replay_steps` rates each
-way. Each method's best rate then runs the other seeds. The reported numbers are on a separate test split.
+scored, the next rate past it is scored too (up to `past_edge` beyond the grid). Replay arms score every rate of
+their grid (`replay_lrs`: the same-rate table), then follow an edge the same way. Each arm's best rate then runs the
+other seeds. The reported numbers are on a separate test split: every round at the fast scale, at `test_rounds` at
+the real scale (round 0 once per seed), where evaluation would otherwise dominate a run's time.
 
 - Loop methods (`run_topr_loop`, one epoch per round, a fresh optimizer each round): each round samples
   `num_samples` completions of every training prompt with the current model (mu = that model), scores them +1 / -1,
-  trains one epoch, evaluates on the test split. `+replay` arms (`replay_rounds`): each round trains on its own samples
-  plus those of the `replay` rounds before it, with the behavior log-probs recorded when they were sampled, so every
-  sample is trained `replay + 1` times while the policy moves away from it; they sample exactly as much.
+  trains one epoch, evaluates on the held-out splits. `+replay` arms (`replay_rounds`): each round trains on its own
+  samples plus those of the `replay` rounds before it, with the behavior log-probs recorded when they were sampled, so
+  every sample is trained `replay + 1` times while the policy moves away from it; they sample exactly as much.
 - GRPO (TRL's `GRPOTrainer`, online): the same prompts, `num_generations = num_samples`, the same completions per
   optimizer step as the loop's batch; one pass over the prompts samples as many completions as one loop round. Each
   round is a fresh trainer started from the previous round's model, as the loop's rounds (a fresh optimizer), and is
   evaluated with the loop's generation engine. Its completions and their tokens are counted by its reward function.
 
 The x axis is what was sampled so far (completions and completion tokens), the same for every method. Writes
-`results.json`, `table.md`, `diagnosis.md`, `ages.md` (the replay arms' metrics by sample age), `sweep.md` (every
-rate scored, per seed) and `iterative.png` to --out (default benchmarks/results/iterative-<scale>).
+`results.json`, `table.md` (test sampled pass@1 per round at each arm's rate), `efficiency.md` (completions sampled
+until each seed first reaches 0.8 and 0.9), `diagnosis.md`, `ages.md` (the replay arms' metrics by sample age),
+`sweep.md` (every rate scored, per seed, with its test curve) and `iterative.png` to --out (default
+benchmarks/results/iterative-<scale>). `--plan` prints the runs the protocol may train and their estimated hours.
 """
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -64,25 +71,30 @@ METHODS = {
     # the off-policy regime: every round also trains on the samples of the `replay` rounds before it
     "topr+replay": {"loss_type": "topr"},
     "topr_peff0.2+replay": {"loss_type": "topr", "target_positive_fraction": 0.2},
+    "topr_peff0.5+replay": {"loss_type": "topr", "target_positive_fraction": 0.5},
+    "topr_peff0.8+replay": {"loss_type": "topr", "target_positive_fraction": 0.8},
     "positives_only+replay": {"loss_type": "positives_only"},
     "reinforce+replay": {"loss_type": "reinforce"},
     "tis+replay": {"loss_type": "tis"},
 }
 REPLAY = "+replay"
-# a replay arm's rate search starts from the best rate of this on-policy method (default: its name without REPLAY);
-# on-policy TIS is REINFORCE (both weights are 1 at ratio 1)
-SEARCH_START = {"topr_peff0.2+replay": "topr_peff0.5", "tis+replay": "reinforce"}
 SCALES = {
-    # prompts: training prompts sampled every round, val / test: held-out prompts, k: samples per held-out prompt
+    # prompts: training prompts sampled every round; val / test: held-out prompts; k: samples per held-out prompt;
+    # lrs: the on-policy arms' grid; replay_lrs: the replay arms' grid, every rate of it scored (the same-rate table);
+    # test_rounds: the rounds evaluated on the test split (None: every round); methods: the arms of the scale
     "fast": {"prompts": 64, "num_samples": 8, "val": 64, "test": 128, "k": 4, "rounds": 8, "seeds": 3, "batch": 16,
-             "lrs": [3e-5, 1e-4, 3e-4, 1e-3], "max_new_tokens": 12, "bf16": False, "replay": 3, "sweep_seeds": 2,
-             "replay_steps": 5},
-    "real": {"prompts": 48, "num_samples": 4, "val": 48, "test": 96, "k": 4, "rounds": 4, "seeds": 3, "batch": 8,
-             "lrs": [3e-6, 1e-5, 3e-5, 1e-4], "max_new_tokens": 48, "bf16": False,  # float32, as its committed runs
-             "replay": 2, "sweep_seeds": 2, "replay_steps": 2},
-}
+             "lrs": [3e-5, 1e-4, 3e-4, 1e-3], "replay_lrs": [1e-5, 1e-4, 3e-4, 1e-3], "past_edge": 2,
+             "max_new_tokens": 12, "bf16": False, "replay": 3, "sweep_seeds": 2, "test_rounds": None,
+             "methods": list(METHODS), "run_seconds": 60},
+    # SmolLM2 on two-digit products, where it starts at a low sampled pass@1 (negatives outnumber positives)
+    "real": {"prompts": 64, "num_samples": 4, "val": 64, "test": 256, "k": 4, "rounds": 4, "seeds": 3, "batch": 8,
+             "lrs": [3e-6, 1e-5, 3e-5], "replay_lrs": [3e-6, 1e-5, 3e-5], "past_edge": 0, "max_new_tokens": 48,
+             "bf16": False, "replay": 2, "sweep_seeds": 2, "test_rounds": [0, 2, 4],
+             "methods": ["positives_only", "positives_only+replay", "topr_peff0.8+replay", "topr+replay",
+                         "reinforce+replay", "grpo"], "run_seconds": 900},
+}  # fmt: skip
 QUICK = {"prompts": 8, "num_samples": 4, "val": 4, "test": 4, "k": 1, "rounds": 2, "seeds": 2, "batch": 8,
-         "lrs": [3e-4], "replay": 1, "sweep_seeds": 1, "replay_steps": 0}
+         "lrs": [3e-4], "replay_lrs": [3e-4], "replay": 1, "sweep_seeds": 1}
 
 
 # ---------------------------------------------------------------------------------------------------------------- tasks
@@ -103,19 +115,28 @@ def setup(scale: str, work: Path, quick: bool) -> dict:
         task = {"reward": reversal_reward, "answer": reversal_answer, "description": "tiny Llama, reverse 4 digits"}
     else:
         sys.path.insert(0, str(ROOT / "recipes"))
-        from gsm8k import arithmetic_problems, few_shot_prompts
+        from common import few_shot_prompts
 
         from trl_topr.embedded import smollm2_path
         from trl_topr.rewards import extract_final_answer, gsm8k_reward
 
-        problems = arithmetic_problems(0)  # the 243 single-digit questions; the first is the one-shot example
+        problems = product_problems()  # the first is the one-shot example
         model, rows = smollm2_path(), list(few_shot_prompts(problems[1:], problems[:1]))
         task = {"reward": gsm8k_reward, "answer": extract_final_answer,
-                "description": "SmolLM2-135M-Instruct, single-digit 'What is a op b?', one-shot"}  # fmt: skip
+                "description": "SmolLM2-135M-Instruct, 'What is a * b?' (a 11-99, b 2-9), one-shot"}  # fmt: skip
     train, val = rows[: splits[0]], rows[splits[0] : splits[0] + splits[1]]
     test = rows[splits[0] + splits[1] : sum(splits)]
     return dict(settings, model=str(model), train=Dataset.from_list(train), val=Dataset.from_list(val),
                 test=Dataset.from_list(test), **task)  # fmt: skip
+
+
+def product_problems() -> list[dict[str, str]]:
+    """The real scale's task, in GSM8K's question/answer format: the 712 products `a * b`, a in 11-99 and b in 2-9,
+    shuffled."""
+    problems = [{"question": f"What is {a} * {b}?", "answer": f"{a} * {b} = {a * b}\n#### {a * b}"}
+                for a in range(11, 100) for b in range(2, 10)]  # fmt: skip
+    random.Random(0).shuffle(problems)
+    return problems
 
 
 def training_args(setting: dict, out: Path, lr: float, seed: int, **overrides) -> dict:
@@ -137,22 +158,26 @@ def sampling(setting: dict, seed: int | None = None) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------------ the runs
+def held_out(setting: dict) -> dict:
+    """The held-out splits a run evaluates after every round: validation (the rate criterion's), and test unless the
+    scale evaluates it at a few rounds only (`test_rounds`, see `evaluate_test`)."""
+    return {"validation": setting["val"], **({"test": setting["test"]} if setting["test_rounds"] is None else {})}
+
+
 def run_loop(method: str, setting: dict, lr: float, seed: int, folder: Path, use_vllm: bool) -> None:
-    """Go on with a loop method's run (the loop resumes after its last completed round), then delete all but the last
-    round's weights."""
+    """Go on with a loop method's run (the loop resumes after its last completed round)."""
     from trl_topr import TOPRConfig, anna_karenina, run_topr_loop
     from trl_topr.generation import SamplingSettings
 
     args = TOPRConfig(**training_args(setting, folder, lr, seed, use_vllm=use_vllm), **METHODS[method])
     run_topr_loop(
         setting["model"], setting["train"], setting["reward"], args, num_rounds=setting["rounds"],
-        eval_prompts=setting["test"], correct_func=setting["reward"], answer_func=setting["answer"],
+        eval_prompts=held_out(setting), correct_func=setting["reward"], answer_func=setting["answer"],
         curate=anna_karenina if method == "topr_anna_karenina" else None,
         sampling=SamplingSettings(num_samples=setting["num_samples"], **sampling(setting)),
         eval_sampling=SamplingSettings(num_samples=setting["k"], **sampling(setting, seed)), progress=False,
         replay_rounds=setting["replay"] if method.endswith(REPLAY) else 0,
     )  # fmt: skip
-    delete_old_weights(folder, setting["rounds"])
 
 
 def delete_old_weights(folder: Path, rounds: int) -> None:
@@ -161,16 +186,62 @@ def delete_old_weights(folder: Path, rounds: int) -> None:
             old.unlink()
 
 
-def run_grpo(setting: dict, lr: float, seed: int, folder: Path, use_vllm: bool) -> None:
-    """Go on with TRL's GRPOTrainer, one pass over the prompts (one loop round's worth of samples) a round. Each round
-    is a fresh trainer (a fresh optimizer, as the loop's rounds) started from the previous round's model, saved to
-    `round-<r>/` and evaluated with the generation engine the loop methods evaluate with."""
-    from transformers import AutoTokenizer, PrinterCallback
-    from trl import GRPOConfig, GRPOTrainer
+def evaluate_test(setting: dict, folder: Path, seed: int, work: Path, use_vllm: bool) -> None:
+    """Where the scale evaluates the test split at a few rounds only (`test_rounds`): evaluate the run's models of
+    those rounds not yet in its `test.jsonl`, one line each. Round 0 (the starting model, the same in every run of a
+    seed) is evaluated once per seed, in --work."""
+    from transformers import AutoTokenizer
 
     from trl_topr import TOPRConfig
     from trl_topr.evaluation import evaluate_with_engine
     from trl_topr.generation import SamplingSettings, generation_engine
+
+    path = folder / "test.jsonl"
+    done = {json.loads(line)["round"] for line in path.read_text().splitlines()} if path.exists() else set()
+    todo = [r for r in setting["test_rounds"] if r <= setting["rounds"] and r not in done]
+    if not todo:
+        return
+    start = work / f"start-test-seed{seed}.json"
+    tokenizer = AutoTokenizer.from_pretrained(setting["model"])
+    engine, eval_sampling = None, SamplingSettings(num_samples=setting["k"], **sampling(setting, seed))
+    try:
+        for r in todo:
+            if r == 0 and start.exists():
+                metrics = json.loads(start.read_text())
+            else:
+                model = setting["model"] if r == 0 else str(folder / f"round-{r}")
+                if engine is None:
+                    args = TOPRConfig(**training_args(setting, folder / "test-engine", 0.0, seed, use_vllm=use_vllm))
+                    engine = generation_engine(model, tokenizer, args)
+                engine.load_weights(model)
+                metrics = evaluate_with_engine(engine, tokenizer, setting["test"], setting["reward"],
+                                               setting["answer"], eval_sampling, progress=False)  # fmt: skip
+                engine.release_weights()
+                if r == 0:
+                    start.write_text(json.dumps(metrics))
+            with open(path, "a") as f:
+                f.write(json.dumps({"round": r, **metrics}) + "\n")
+    finally:
+        if engine is not None:
+            engine.close()
+
+
+def run_grpo(setting: dict, lr: float, seed: int, folder: Path, use_vllm: bool) -> None:
+    """Go on with TRL's GRPOTrainer, one pass over the prompts (one loop round's worth of samples) a round. Each round
+    is a fresh trainer (a fresh optimizer, as the loop's rounds) started from the previous round's model, saved to
+    `round-<r>/` and evaluated with the generation engine the loop methods evaluate with. With `use_vllm`, GRPO
+    samples with vLLM colocated (TRL's sampler with vLLM's CPU build fixed, as `TOPRGRPOTrainer` uses it)."""
+    from contextlib import nullcontext
+    from unittest.mock import patch
+
+    from transformers import AutoTokenizer, PrinterCallback
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.trainer import grpo_trainer
+
+    from trl_topr import TOPRConfig
+    from trl_topr.evaluation import evaluate_with_engine
+    from trl_topr.generation import SamplingSettings, generation_engine
+    from trl_topr.generation.vllm_engine import TOPRVLLMGeneration
 
     steps_per_round = setting["prompts"] * setting["num_samples"] // setting["batch"]
     metrics_file = folder / "metrics.jsonl"
@@ -190,11 +261,15 @@ def run_grpo(setting: dict, lr: float, seed: int, folder: Path, use_vllm: bool) 
 
     def evaluate(model_folder: str, round_index: int, extra: dict, model=None) -> None:
         engine.load_weights(model_folder, model=model)
-        metrics = evaluate_with_engine(engine, tokenizer, setting["test"], setting["reward"], setting["answer"],
-                                       eval_sampling, progress=False)  # fmt: skip
+        metrics = dict(extra)
+        for name, prompts in held_out(setting).items():
+            values = evaluate_with_engine(engine, tokenizer, prompts, setting["reward"], setting["answer"],
+                                          eval_sampling, progress=False)  # fmt: skip
+            metrics.update({f"{name}/{key}": value for key, value in values.items()})
         with open(metrics_file, "a") as f:
-            f.write(json.dumps({"round": round_index, **extra, **metrics}) + "\n")
+            f.write(json.dumps({"round": round_index, **metrics}) + "\n")
 
+    vllm_args = {"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": 1024} if use_vllm else {}
     folder.mkdir(parents=True, exist_ok=True)
     try:
         if not evaluated:  # round 0: the starting model
@@ -205,9 +280,10 @@ def run_grpo(setting: dict, lr: float, seed: int, folder: Path, use_vllm: bool) 
             args = GRPOConfig(**training_args(
                 setting, folder / f"round-{round_index}", lr, seed + round_index, max_steps=steps_per_round,
                 num_generations=setting["num_samples"], max_completion_length=setting["max_new_tokens"],
-                temperature=1.0, top_k=0, beta=0.0,
+                temperature=1.0, top_k=0, beta=0.0, **vllm_args,
             ))  # fmt: skip
-            trainer = GRPOTrainer(previous, reward_funcs=reward, args=args, train_dataset=setting["train"])
+            with patch.object(grpo_trainer, "VLLMGeneration", TOPRVLLMGeneration) if use_vllm else nullcontext():
+                trainer = GRPOTrainer(previous, reward_funcs=reward, args=args, train_dataset=setting["train"])
             trainer.remove_callback(PrinterCallback)
             counted.clear()
             trainer.train()
@@ -216,15 +292,21 @@ def run_grpo(setting: dict, lr: float, seed: int, folder: Path, use_vllm: bool) 
             extra = {"reward": statistics.fmean(h["reward"] for h in logs), **counted}
             evaluate(args.output_dir, round_index, extra, model=trainer.model)
             engine.release_weights()
+            del trainer
+            gc.collect()  # its colocated vLLM engine goes with it
     finally:
         engine.close()
-    delete_old_weights(folder, setting["rounds"])
 
 
 def read_run(method: str, folder: Path) -> list[dict]:
-    """A run's rounds: held-out metrics, what was sampled so far, and (loop methods) the trainer's per-round means."""
+    """A run's rounds: held-out metrics (`validation/...` every round, `test/...` at the test rounds), what was sampled
+    so far, and (loop methods) the trainer's per-round means."""
     metrics_file = folder / "metrics.jsonl"
     rounds = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
+    tests = folder / "test.jsonl"
+    for line in tests.read_text().splitlines() if tests.exists() else []:
+        test = json.loads(line)
+        rounds[test.pop("round")].update({f"test/{key}": value for key, value in test.items()})
     sampled, tokens = 0, 0
     for r in rounds:
         if r["round"] > 0 and method != "grpo":
@@ -242,6 +324,14 @@ def read_run(method: str, folder: Path) -> list[dict]:
     return rounds
 
 
+def validation_scores(rounds: list[dict]) -> dict:
+    """The rate criterion of a run: the mean of its validation sampled pass@1 over rounds 1..R (`mean`, the area
+    under its learning curve against completions sampled, every round sampling as many), and after the last round
+    (`last`, what a user has after spending every sample)."""
+    curve = [r["validation/pass@1"] for r in rounds[1:]]
+    return {"mean": statistics.fmean(curve), "last": curve[-1], "greedy_last": rounds[-1]["validation/pass@1_greedy"]}
+
+
 # -------------------------------------------------------------------------------------------------------------- report
 def mean_std(values: list[float]) -> str:
     values = [v for v in values if v == v]
@@ -250,59 +340,97 @@ def mean_std(values: list[float]) -> str:
     return f"{statistics.fmean(values):.3f}" + (f" ± {statistics.stdev(values):.3f}" if len(values) > 1 else "")
 
 
+def at(r: dict, key: str) -> float:
+    """A round's test metric: `test/<key>`, or `<key>` in results recorded before the validation split was evaluated
+    every round (the test split was then the loop's only held-out set); NaN where the round was not tested."""
+    return r.get(f"test/{key}", r.get(key, float("nan")))
+
+
+def complete(entry: dict, rounds: int) -> list[list[dict]]:
+    return [run for run in entry["runs"] if len(run) == rounds + 1]
+
+
 def summarize(results: dict) -> tuple[str, str]:
-    """Markdown: held-out greedy pass@1 per round (mean ± standard deviation over seeds) with the final sampled pass@1
-    and invalid rate; and the diagnosis of the loop methods' training rounds."""
+    """Markdown: test sampled pass@1 per round (mean ± standard deviation over seeds) at each arm's chosen rate, with
+    the validation criterion and the last round's greedy pass@1 and invalid rate; and the diagnosis of the loop
+    methods' training rounds."""
     rounds = results["settings"]["rounds"]
-    header = ["method", "lr", "seeds", *[f"greedy r{r}" for r in range(rounds + 1)], "sampled", "invalid",
-              "completions", "tokens"]  # fmt: skip
+    tested = [run for e in results["methods"].values() for run in complete(e, rounds)]
+    sampled = [r for r in range(rounds + 1) if any(at(run[r], "pass@1") == at(run[r], "pass@1") for run in tested)]
+    header = ["method", "lr", "seeds", "validation mean", *[f"r{r}" for r in sampled], "greedy", "invalid",
+              "completions"]  # fmt: skip
     table = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     diagnosis_header = ["method", "round", "positive fraction", "effective positive fraction", "negative weight share",
                         "negative weight mean", "tapered negatives", "log ratio mean", "log ratio min"]  # fmt: skip
     diagnosis = ["| " + " | ".join(diagnosis_header) + " |", "|" + "---|" * len(diagnosis_header)]
     for method, entry in results["methods"].items():
-        runs = [run for run in entry["runs"] if len(run) == rounds + 1]
+        runs = complete(entry, rounds)
         if not runs:
             continue
-        last = lambda key: mean_std([run[-1].get(key, float("nan")) for run in runs])  # noqa: E731
-        cells = [method, f"{entry['lr']:g}", str(len(runs)), *[mean_std([run[r]["pass@1_greedy"] for run in runs])
-                                               for r in range(rounds + 1)],
-                 last("pass@1"), last("invalid_rate"), str(runs[0][-1]["sampled_completions"]),
-                 str(round(statistics.fmean(run[-1]["sampled_tokens"] for run in runs)))]  # fmt: skip
+        criterion = mean_std([v["mean"] for v in entry["validation"] if "mean" in v])
+        cells = [method, f"{entry['lr']:g}", str(len(runs)), criterion,
+                 *[mean_std([at(run[r], "pass@1") for run in runs]) for r in sampled],
+                 mean_std([at(run[-1], "pass@1_greedy") for run in runs]),
+                 mean_std([at(run[-1], "invalid_rate") for run in runs]), str(runs[0][-1]["sampled_completions"])]
         table.append("| " + " | ".join(cells) + " |")
         if method == "grpo":
             continue
         for r in range(1, rounds + 1):
-            at = lambda key: mean_std([run[r].get(key, float("nan")) for run in runs])  # noqa: E731
+            cell = lambda key: mean_std([run[r].get(key, float("nan")) for run in runs])  # noqa: E731
             diagnosis.append("| " + " | ".join([
-                method, str(r), at("positive_fraction"), at("effective_positive_fraction"),
-                at("train/negative_weight_share"), at("train/negative_weight_mean"),
-                at("train/negative_tapered_fraction"), at("train/log_ratio_mean"), at("train/log_ratio_min"),
+                method, str(r), cell("positive_fraction"), cell("effective_positive_fraction"),
+                cell("train/negative_weight_share"), cell("train/negative_weight_mean"),
+                cell("train/negative_tapered_fraction"), cell("train/log_ratio_mean"), cell("train/log_ratio_min"),
             ]) + " |")  # fmt: skip
-    note = ("\n\nTest split, mean ± standard deviation over seeds; r0 = the starting model. lr: the best of the "
-            "sweep on the validation split (sampled pass@1).")
+    per_round = results["settings"]["prompts"] * results["settings"]["num_samples"]
+    note = (f"\n\nTest split, sampled pass@1 after round r (r0 = the starting model; each round samples {per_round} "
+            "completions), mean ± standard deviation over seeds; greedy and invalid: after the last round. lr: the "
+            "rate of the sweep with the highest validation mean (sampled pass@1 on the validation split averaged "
+            "over rounds 1..R, mean over the sweep seeds).")  # fmt: skip
     return "\n".join(table) + note, "\n".join(diagnosis)
 
 
-def sweep_table(ledger: "Ledger", sweep_seeds: int) -> str:
-    """Markdown: every rate scored by a sweep (the sweep seeds' runs, complete or not): the mean validation score that
-    picks the rate, each seed's, and the final held-out greedy and sampled pass@1 (mean ± standard deviation over
-    the seeds)."""
-    header = ["method", "lr", "seeds", "validation", "validation by seed", "greedy (test)", "sampled (test)"]
+def efficiency_table(results: dict, thresholds=(0.8, 0.9)) -> str:
+    """Markdown: for every arm at its chosen rate, the completions sampled until each seed's test sampled pass@1 first
+    reaches each threshold ("-": never within the run), seed by seed."""
+    rounds = results["settings"]["rounds"]
+    header = ["method", "lr", *[f"to {t:g} (by seed)" for t in thresholds]]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for method, entry in results["methods"].items():
+        runs = complete(entry, rounds)
+        if runs:
+            cells = [" / ".join(str(first_reaching(run, t) or "-") for run in runs) for t in thresholds]
+            lines.append("| " + " | ".join([method, f"{entry['lr']:g}", *cells]) + " |")
+    return "\n".join(lines) + "\n\nCompletions sampled when the test sampled pass@1 first reached the threshold."
+
+
+def first_reaching(run: list[dict], threshold: float) -> int | None:
+    """Completions sampled by the first round whose test sampled pass@1 is at least `threshold`, or None."""
+    return next((r["sampled_completions"] for r in run if at(r, "pass@1") >= threshold), None)
+
+
+def sweep_table(ledger: "Ledger", setting: dict) -> str:
+    """Markdown: every rate scored by a sweep (the sweep seeds' runs): the validation criterion that picks the rate
+    (the mean over rounds 1..R) and each seed's, the validation score after the last round, and the test sampled
+    pass@1 per round (mean ± standard deviation over the seeds). For the replay arms, every rate of their grid: the
+    same-rate table."""
+    rounds = [r for r in range(setting["rounds"] + 1) if setting["test_rounds"] is None or r in setting["test_rounds"]]
+    header = ["method", "lr", "seeds", "validation mean", "by seed", "validation last",
+              *[f"test r{r}" for r in rounds]]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for method in METHODS:
         for lr in ledger.rates(method):
-            entries = [e for seed in range(sweep_seeds) if (e := ledger.get(method, lr, seed)) is not None]
+            entries = [e for seed in range(setting["sweep_seeds"]) if (e := ledger.get(method, lr, seed)) is not None]
             if not entries:
                 continue
-            validation = [e["validation"]["pass@1"] for e in entries]
-            cells = [method, f"{lr:g}", str(len(entries)), mean_std(validation),
-                     " / ".join(f"{v:.3f}" for v in validation),
-                     mean_std([e["rounds"][-1]["pass@1_greedy"] for e in entries]),
-                     mean_std([e["rounds"][-1]["pass@1"] for e in entries])]  # fmt: skip
+            means = [e["validation"]["mean"] for e in entries]
+            cells = [method, f"{lr:g}", str(len(entries)), mean_std(means), " / ".join(f"{v:.3f}" for v in means),
+                     mean_std([e["validation"]["last"] for e in entries]),
+                     *[mean_std([at(e["rounds"][r], "pass@1") for e in entries]) for r in rounds]]
             lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + (f"\n\nSeeds 0-{sweep_seeds - 1}; validation: sampled pass@1 on the validation split "
-                               "after the last round; test: after the last round.")  # fmt: skip
+    return "\n".join(lines) + (f"\n\nSeeds 0-{setting['sweep_seeds'] - 1}; validation mean: sampled pass@1 on the "
+                               "validation split averaged over rounds 1..R; last: after round R; test: sampled pass@1 "
+                               "on the test split after round r.")  # fmt: skip
 
 
 def ages_table(results: dict) -> str:
@@ -329,25 +457,26 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("pass@1_greedy", "held-out greedy pass@1"), ("pass@1", "held-out sampled pass@1"),
-              ("invalid_rate", "held-out invalid rate (samples)")]  # fmt: skip
+    panels = [("pass@1", "test sampled pass@1"), ("pass@1_greedy", "test greedy pass@1"),
+              ("invalid_rate", "test invalid rate (samples)")]  # fmt: skip
     fig, axes = plt.subplots(1, 3, figsize=(16, 5))
     for method, entry in results["methods"].items():
-        runs = [run for run in entry["runs"] if len(run) == results["settings"]["rounds"] + 1]
+        runs = complete(entry, results["settings"]["rounds"])
         if not runs:
             continue
-        x = [r["sampled_completions"] for r in runs[0]]
         style = {"linewidth": 2.5, "color": "black"} if method.startswith("topr") and "_" not in method else {
             "linewidth": 1.2}
         style["linestyle"] = "--" if method.endswith(REPLAY) else "-"
         for ax, (key, title) in zip(axes, panels):
-            values = [[run[r][key] for run in runs] for r in range(len(x))]
-            means = [statistics.fmean(v) for v in values]
-            spread = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in values]
+            points = [(run_round["sampled_completions"], [at(run[i], key) for run in runs])
+                      for i, run_round in enumerate(runs[0]) if at(run_round, key) == at(run_round, key)]  # fmt: skip
+            x = [p[0] for p in points]
+            means = [statistics.fmean(v) for _, v in points]
+            spread = [statistics.stdev(v) if len(v) > 1 else 0.0 for _, v in points]
             ax.errorbar(x, means, yerr=spread, marker="o", capsize=3, label=f"{method} (lr {entry['lr']:g})", **style)
             ax.set_title(title)
             ax.set_xlabel("completions sampled so far")
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=7)
     fig.suptitle(results["title"])
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -393,13 +522,15 @@ def main(argv=None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", choices=list(SCALES), default="fast")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, 2 rounds")
-    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS),
-                        help="the methods to train (the report covers every method of the results folder)")
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS),
+                        help="the arms to train (default: the scale's; the report covers every arm of the results)")
     parser.add_argument("--work", help="unfinished runs, resumable (default: outputs/iterative-<scale>[-quick])")
     parser.add_argument("--out", help="results (default: benchmarks/results/iterative-<scale>, "
                                       "outputs/iterative-<scale>-results-quick with --quick)")
     parser.add_argument("--time_limit", type=float, help="minutes: stop after the run that crosses it")
     parser.add_argument("--report_only", action="store_true", help="write the finished runs' results, train nothing")
+    parser.add_argument("--plan", action="store_true",
+                        help="print the runs the protocol may train and their estimated hours, train nothing")
     parser.add_argument("--use_vllm", action=argparse.BooleanOptionalAction, default=None,
                         help="sample and evaluate with vLLM (default: at the real scale, where vLLM is installed)")
     args = parser.parse_args(argv)
@@ -412,103 +543,141 @@ def main(argv=None) -> str:
         import importlib.util
 
         args.use_vllm = args.scale == "real" and importlib.util.find_spec("vllm") is not None
+    ledger = Ledger(out)
+    setting = dict(SCALES[args.scale], **(QUICK if args.quick else {}))
+    methods = [m for m in METHODS if m in (args.methods or setting["methods"])]
+    if args.plan:
+        text = plan(setting, methods, ledger)
+        print(text)
+        return text
     work.mkdir(parents=True, exist_ok=True)
 
     t0 = time.perf_counter()
     setting = setup(args.scale, work, args.quick)
-    ledger = Ledger(out)
     ran = []  # the runs this call trained (the time limit stops after at least one)
 
     def run(method: str, lr: float, seed: int) -> dict:
         if (entry := ledger.get(method, lr, seed)) is None:
             folder = work / method / f"lr{lr:g}" / f"seed{seed}"
-            resumed = (folder / "metrics.jsonl").exists()  # begun by an earlier call: `seconds` counts this call's part
+            resumed = (folder / "metrics.jsonl").exists()  # begun by an earlier call: `seconds` is this call's part
             started = time.perf_counter()
             if method == "grpo":
                 run_grpo(setting, lr, seed, folder, args.use_vllm)
             else:
                 run_loop(method, setting, lr, seed, folder, args.use_vllm)
+            if setting["test_rounds"] is not None:
+                evaluate_test(setting, folder, seed, work, args.use_vllm)
+            delete_old_weights(folder, setting["rounds"])
             ran.append(folder)
-            entry = {"method": method, "lr": lr, "seed": seed, "validation": validate(setting, method, folder, seed),
-                     "seconds": round(time.perf_counter() - started), "resumed": resumed,
-                     "rounds": read_run(method, folder)}  # fmt: skip
+            rounds = read_run(method, folder)
+            entry = {"method": method, "lr": lr, "seed": seed, "validation": validation_scores(rounds),
+                     "seconds": round(time.perf_counter() - started), "resumed": resumed, "rounds": rounds}
             ledger.add(entry)
-            greedy = " ".join(f"{r['pass@1_greedy']:.3f}" for r in entry["rounds"])
+            curve = " ".join(f"{r['validation/pass@1']:.3f}" for r in rounds)
             elapsed = time.perf_counter() - t0
-            print(f"{method} lr {lr:g} seed {seed}: greedy {greedy} ({elapsed:.0f} s)", file=sys.stderr, flush=True)
+            print(f"{method} lr {lr:g} seed {seed}: validation sampled {curve} ({elapsed:.0f} s)", file=sys.stderr,
+                  flush=True)  # fmt: skip
         return entry
 
     def available(method: str, lr: float, seed: int) -> bool:  # finished, or to train now (time left, not report only)
         if ledger.get(method, lr, seed) is not None:
             return True
-        if args.report_only or method not in args.methods:
+        if args.report_only or method not in methods:
             return False
         return args.time_limit is None or not ran or time.perf_counter() - t0 <= 60 * args.time_limit
 
-    sweep_seeds = range(setting["sweep_seeds"])
-
-    def score(method: str, lr: float) -> float | None:  # mean validation score of the sweep seeds; None: not run
+    def score(method: str, lr: float) -> float | None:  # the sweep seeds' mean validation criterion; None: not run
         values = []
-        for seed in sweep_seeds:  # the time limit is checked before each run
+        for seed in range(setting["sweep_seeds"]):  # the time limit is checked before each run
             if not available(method, lr, seed):
                 return None
-            values.append(run(method, lr, seed)["validation"]["pass@1"])
+            values.append(run(method, lr, seed)["validation"]["mean"])
         return statistics.fmean(values)
 
-    def done(method: str):
-        return lambda lr: all(ledger.get(method, lr, seed) is not None for seed in sweep_seeds)
-
-    # First every method's sweep, then the other seeds at each method's best rate: a run stopped halfway already
-    # compares the methods swept. Replay arms start from their on-policy counterpart's best rate.
-    sweeps, results = {}, {"methods": {}}
-    for method in METHODS:
-        if not method.endswith(REPLAY):
-            sweeps[method] = climb(setting["lrs"], partial(score, method), done(method))
-        elif (start := sweeps.get(SEARCH_START.get(method, method.removesuffix(REPLAY)))) is not None:
-            sweeps[method] = climb_from(best_rate(start), partial(score, method), setting["replay_steps"])
-        else:  # its on-policy counterpart is not swept (yet): in a call beside this one, it needs `--report_only`
-            sweeps[method] = None
-    for method, sweep in sweeps.items():
-        if sweep is None:
+    # First every arm's sweep, then the other seeds at each arm's best rate: a call stopped halfway already compares
+    # the arms swept. Replay arms score every rate of their grid (the same-rate table).
+    results = {"methods": {}}
+    sweeps = {method: sweep(setting, method, partial(score, method), ledger) for method in METHODS
+              if method in methods or ledger.rates(method)}
+    for method, scores in sweeps.items():
+        if scores is None:
             continue
-        best = best_rate(sweep)
+        best = best_rate(scores)
         entries = [run(method, best, seed) for seed in range(setting["seeds"]) if available(method, best, seed)]
         results["methods"][method] = {
-            "lr": best, "sweep": {f"{lr:g}": v for lr, v in sweep.items()}, "runs": [e["rounds"] for e in entries],
+            "lr": best, "sweep": {f"{lr:g}": v for lr, v in scores.items()}, "runs": [e["rounds"] for e in entries],
             "validation": [e["validation"] for e in entries], "seconds": [e["seconds"] for e in entries],
             "replay_rounds": setting["replay"] if method.endswith(REPLAY) else 0,
         }  # fmt: skip
-    unfinished = [m for m in args.methods if len(results["methods"].get(m, {"runs": []})["runs"]) < setting["seeds"]]
+    unfinished = [m for m in methods if len(results["methods"].get(m, {"runs": []})["runs"]) < setting["seeds"]]
 
     results["title"] = (f"{setting['description']}: {setting['prompts']} prompts x {setting['num_samples']} samples "
                         f"per round, {setting['rounds']} rounds, batch {setting['batch']}")  # fmt: skip
     results["settings"] = {k: v for k, v in setting.items()
-                           if isinstance(v, (int, float, str, bool, list)) and k != "model"}  # fmt: skip
+                           if isinstance(v, (int, float, str, bool, list, type(None))) and k != "model"}  # fmt: skip
     results["seconds_this_call"] = round(time.perf_counter() - t0)
     table, diagnosis = summarize(results)
     out.mkdir(parents=True, exist_ok=True)
     if results["methods"]:
         plot(results, out / "iterative.png")
     files = {"results.json": results, "table.md": f"{results['title']}\n\n{table}\n",
+             "efficiency.md": f"{results['title']}\n\n{efficiency_table(results)}\n",
              "diagnosis.md": f"{results['title']}\n\n{diagnosis}\n",
              "ages.md": f"{results['title']}\n\n{ages_table(results)}\n",
-             "sweep.md": f"{results['title']}\n\n{sweep_table(ledger, setting['sweep_seeds'])}\n"}
+             "sweep.md": f"{results['title']}\n\n{sweep_table(ledger, setting)}\n"}
     save(out, files, script=__file__, argv=argv, started=started, append=True)  # a record per call: it resumes
     status = "complete" if not unfinished else (
-        f"not finished: {', '.join(unfinished)}. Run the same command again to go on (a replay arm waits for the sweep "
-        "of its on-policy counterpart, which another call may be running)")  # fmt: skip
+        f"not finished: {', '.join(unfinished)}. Run the same command again to go on")
     print(f"{results['title']}; {results['seconds_this_call']} s this call, {status}\n\n{table}\n\n{diagnosis}")
     return table
+
+
+def grid(setting: dict, method: str) -> list[float]:
+    return setting["replay_lrs"] if method.endswith(REPLAY) else setting["lrs"]
+
+
+def sweep(setting: dict, method: str, score, ledger: "Ledger") -> dict | None:
+    """An arm's rate sweep (see `climb`): the replay arms score every rate of their grid, the others stop past the
+    peak (rates already in the ledger are still read)."""
+    every = method.endswith(REPLAY)
+    return climb(grid(setting, method), score, lambda lr: every or all(
+        ledger.get(method, lr, seed) is not None for seed in range(setting["sweep_seeds"])),
+        past_edge=setting.get("past_edge", PAST_EDGE))  # fmt: skip
+
+
+def plan(setting: dict, methods: list[str], ledger: "Ledger") -> str:
+    """The runs the protocol may train, arm by arm (every grid rate on the sweep seeds, then the other seeds at the
+    best rate, and the rates past an edge where the scale follows them), with those already in the ledger, and the
+    estimated hours of the rest: each run at the mean seconds of the arm's finished runs, else of all finished runs,
+    else the scale's `run_seconds` estimate."""
+    finished = [e["seconds"] for e in ledger.runs.values() if not e["resumed"]]
+    default = statistics.fmean(finished) if finished else setting["run_seconds"]
+    lines, total_todo, total_runs = [], 0.0, 0
+    for method in methods:
+        rates = grid(setting, method)
+        seeds = setting["sweep_seeds"] * (len(rates) + setting.get("past_edge", PAST_EDGE))
+        most = seeds + setting["seeds"] - setting["sweep_seeds"]  # the sweep, then the other seeds at the best rate
+        done = sum(m == method for m, _, _ in ledger.runs)
+        own = [e["seconds"] for (m, _, _), e in ledger.runs.items() if m == method and not e["resumed"]]
+        each = statistics.fmean(own) if own else default
+        todo = max(most - done, 0) * each / 3600
+        total_todo, total_runs = total_todo + todo, total_runs + most
+        lines.append(f"{method}: rates {' '.join(f'{r:g}' for r in rates)} on seeds 0-{setting['sweep_seeds'] - 1}, "
+                     f"then seeds up to {setting['seeds'] - 1} at the best: at most {most} runs, {done} done, "
+                     f"{each / 60:.0f} min a run, at most {todo:.1f} h to go")  # fmt: skip
+    lines.append(f"In all: at most {total_runs} runs, at most {total_todo:.1f} h to go on one process "
+                 f"(two processes with one thread each, --methods split between them: about half the wall time)")
+    return "\n".join(lines)
 
 
 PAST_EDGE = 2  # the most rates a sweep follows its best past the grid's edge
 
 
-def climb(rates: list[float], score, done) -> dict | None:
+def climb(rates: list[float], score, done, past_edge: int = PAST_EDGE) -> dict | None:
     """A learning-rate sweep: `score(rate)` of each rate in ascending order, stopping at the first rate that scores
     below a smaller one (past the peak, larger rates are not trained; those already `done` are still read). A best
     rate at an edge of the rates scored is not known to be the best: then the next rate past that edge is scored, up
-    to `PAST_EDGE` rates beyond the grid. Returns {rate: score}, or None when `score` returns None (no time left to
+    to `past_edge` rates beyond the grid. Returns {rate: score}, or None when `score` returns None (no time left to
     run that rate)."""
     scores, past_peak = {}, False
     for rate in sorted(rates):
@@ -519,7 +688,7 @@ def climb(rates: list[float], score, done) -> dict | None:
             return None
         scores[rate] = value
         past_peak = past_peak or value < max(scores.values())
-    for _ in range(PAST_EDGE if len(rates) > 1 else 0):
+    for _ in range(past_edge if len(rates) > 1 else 0):
         best = best_rate(scores)
         if best not in (min(scores), max(scores)):
             break
@@ -528,27 +697,6 @@ def climb(rates: list[float], score, done) -> dict | None:
         if value is None:
             return None
         scores[extra] = value
-    return scores
-
-
-def climb_from(start: float, score, steps: int = 3) -> dict | None:
-    """A learning-rate sweep from `start` along the 1-3-10 ladder: down while the score improves, then, unless a
-    smaller rate scored higher than `start`, up while it improves; at most `steps` rates each way (a best rate at the
-    cap is not followed further: the cap bounds the cost). Returns {rate: score}, or None when `score` returns None
-    (no time left to run that rate)."""
-    scores = {}
-    for up in (False, True):
-        rate, previous = start, None
-        for _ in range(steps + 1):
-            if rate not in scores:
-                if (value := score(rate)) is None:
-                    return None
-                scores[rate] = value
-            if previous is not None and scores[rate] <= previous:
-                break
-            previous, rate = scores[rate], beyond(rate, up)
-        if scores[best_rate(scores)] > scores[start]:  # a smaller rate won
-            break
     return scores
 
 
@@ -561,20 +709,6 @@ def beyond(rate: float, up: bool) -> float:
     threes = f"{rate:.0e}".startswith("3")
     factor = (10 / 3 if threes else 3) if up else (3 if threes else 10 / 3)
     return float(f"{rate * factor if up else rate / factor:.0e}")
-
-
-def validate(setting: dict, method: str, folder: Path, seed: int) -> dict:
-    """Pass@1 of a run's final model on the validation split: sampled (`k` samples a prompt, the sweep's
-    score: the expected reward that training maximizes, less noisy than greedy) and greedy."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from trl_topr import evaluate_policy
-
-    final = folder / f"round-{setting['rounds']}"
-    metrics = evaluate_policy(AutoModelForCausalLM.from_pretrained(final), AutoTokenizer.from_pretrained(final),
-                              setting["val"], setting["reward"], setting["answer"], num_samples=setting["k"],
-                              progress=False, **sampling(setting, seed))  # fmt: skip
-    return {key: metrics[key] for key in ("pass@1", "pass@1_greedy")}
 
 
 if __name__ == "__main__":

@@ -188,12 +188,16 @@ def test_iterative_benchmark_resumes_and_gives_every_method_the_same_budget(caps
     budgets = set()
     for method, entry in results["methods"].items():
         assert len(entry["runs"]) == len(entry["validation"]) == iterative.QUICK["seeds"]
-        assert all(0.0 <= seed["pass@1"] <= 1.0 for seed in entry["validation"])  # every seed's validation score
+        # every seed's criterion: the mean of its validation sampled pass@1 over rounds 1..R, and the last round's
+        for seed, run in zip(entry["validation"], entry["runs"], strict=True):
+            curve = [r["validation/pass@1"] for r in run[1:]]
+            assert seed["mean"] == pytest.approx(sum(curve) / len(curve)) and seed["last"] == curve[-1]
         assert all(seconds >= 0 for seconds in entry["seconds"])
         for run in entry["runs"]:
             assert [r["round"] for r in run] == list(range(iterative.QUICK["rounds"] + 1))
             budgets.add(tuple(r["sampled_completions"] for r in run))
-            assert all(0.0 <= r["pass@1_greedy"] <= 1.0 for r in run)
+            assert all(0.0 <= r[f"{split}/pass@1{kind}"] <= 1.0 for r in run for split in ("validation", "test")
+                       for kind in ("", "_greedy"))  # the fast scale evaluates both splits every round
             if method.startswith("topr"):  # the loop's training logs, per round
                 assert all(0.0 <= r["train/negative_weight_share"] <= 1.0 for r in run[1:])
             # replay arms: round 2 trains on round 1's samples too, and reports them by age
@@ -207,6 +211,8 @@ def test_iterative_benchmark_resumes_and_gives_every_method_the_same_budget(caps
     assert budgets == {(0, 32, 64)}
     assert (tmp_path / "out" / "iterative.png").stat().st_size > 0
     assert "negative weight share" in (tmp_path / "out" / "diagnosis.md").read_text()
+    efficiency = (tmp_path / "out" / "efficiency.md").read_text().split("\n\n")[1].splitlines()[2:]
+    assert [row.split("|")[1].strip() for row in efficiency] == list(iterative.METHODS)
     ages = (tmp_path / "out" / "ages.md").read_text().split("\n\n")[1].splitlines()[2:]
     assert {(row.split("|")[1].strip(), row.split("|")[3].strip()) for row in ages} == {
         (method, age) for method in iterative.METHODS if method.endswith(iterative.REPLAY) for age in "01"}
@@ -258,24 +264,26 @@ def test_iterative_sweep_climbs_the_grid_and_stops_past_the_peak():
         == [3e-6, 1e-6, 1e-4, 3e-3]
 
 
-def test_iterative_replay_sweep_climbs_from_the_on_policy_rate():
+def test_iterative_sample_efficiency_counts_completions_to_the_first_round_at_a_threshold():
     iterative = load("iterative")
-    peak = {1e-6: 0.3, 3e-6: 0.6, 1e-5: 0.5, 3e-5: 0.4, 1e-4: 0.1, 3e-4: 0.0}
-    trained = []
+    run = [{"sampled_completions": 0, "test/pass@1": 0.5}, {"sampled_completions": 512, "test/pass@1": 0.85},
+           {"sampled_completions": 1024, "test/pass@1": 0.79}, {"sampled_completions": 1536, "test/pass@1": 0.9}]
+    assert iterative.first_reaching(run, 0.8) == 512 and iterative.first_reaching(run, 0.9) == 1536
+    assert iterative.first_reaching(run, 0.95) is None
+    assert iterative.validation_scores([{"validation/pass@1": 0.9, "validation/pass@1_greedy": 1.0},
+                                        {"validation/pass@1": 0.2}, {"validation/pass@1": 0.6,
+                                                                     "validation/pass@1_greedy": 0.5}]) == {
+        "mean": pytest.approx(0.4), "last": 0.6, "greedy_last": 0.5}  # round 0 is not in the mean
 
-    def score(rate):
-        trained.append(rate)
-        return peak[rate]
 
-    # from 3e-5 down while it improves, one rate past the peak; the top is not tried once a smaller rate won
-    assert iterative.climb_from(3e-5, score) == {3e-5: 0.4, 1e-5: 0.5, 3e-6: 0.6, 1e-6: 0.3}
-    assert trained == [3e-5, 1e-5, 3e-6, 1e-6]
-    rising = {rate: rate for rate in [1e-6, 3e-6, 1e-5, 3e-5, 1e-4, 3e-4]}  # down is worse: then up, at most 3 steps
-    assert iterative.climb_from(3e-6, rising.get) == {3e-6: 3e-6, 1e-6: 1e-6, 1e-5: 1e-5, 3e-5: 3e-5, 1e-4: 1e-4}
-    assert iterative.climb_from(1e-5, peak.get, steps=0) == {1e-5: 0.5}  # no sweep
-    tie = {1e-5: 0.5, 3e-6: 0.5, 3e-5: 0.7, 1e-4: 0.6}  # a smaller rate only ties the start: the climb goes up too
-    assert iterative.climb_from(1e-5, tie.get) == tie
-    assert iterative.climb_from(1e-5, lambda rate: None if rate == 3e-6 else peak[rate]) is None  # no time left
+def test_iterative_replay_arms_score_every_rate_of_their_grid():
+    # the same-rate table: a replay arm's sweep does not stop past its peak; an on-policy arm's does
+    iterative = load("iterative")
+    setting = {"lrs": [1e-5, 1e-4, 3e-4], "replay_lrs": [1e-5, 1e-4, 3e-4], "sweep_seeds": 2, "past_edge": 0}
+    peak = {1e-5: 0.5, 1e-4: 0.7, 3e-4: 0.6}
+    empty = iterative.Ledger(Path("/nonexistent"))
+    assert iterative.sweep(setting, "topr+replay", peak.get, empty) == peak
+    assert iterative.sweep(setting, "topr", {**peak, 1e-4: 0.4}.get, empty) == {1e-5: 0.5, 1e-4: 0.4}
 
 
 def test_iterative_ledger_trains_again_a_run_whose_line_was_cut_short(tmp_path, capsys):
@@ -300,10 +308,8 @@ def test_iterative_fast_results_follow_the_sweep():
               for method, entry in results["methods"].items()}  # fmt: skip
     assert list(sweeps) == list(iterative.METHODS)
     for method, recorded in sweeps.items():
-        if method.endswith(iterative.REPLAY):  # from the on-policy counterpart's best rate
-            start = sweeps[iterative.SEARCH_START.get(method, method.removesuffix(iterative.REPLAY))]
-            swept = iterative.climb_from(iterative.best_rate(start), recorded.get, results["settings"]["replay_steps"])
-        else:
-            swept = iterative.climb(results["settings"]["lrs"], recorded.get, done=lambda rate: rate in recorded)
+        swept = iterative.climb(iterative.grid(results["settings"], method), recorded.get,
+                                done=lambda rate: method.endswith(iterative.REPLAY) or rate in recorded,
+                                past_edge=results["settings"]["past_edge"])  # fmt: skip
         assert swept == recorded and iterative.best_rate(swept) == results["methods"][method]["lr"], method
         assert len(results["methods"][method]["runs"]) == results["settings"]["seeds"], method

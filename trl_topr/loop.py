@@ -114,7 +114,7 @@ def run_topr_loop(
     *,
     num_rounds: int = 1,
     reward_weights: list[float] | None = None,
-    eval_prompts: Dataset | None = None,
+    eval_prompts: Dataset | dict[str, Dataset] | None = None,
     correct_func: Callable | None = None,
     answer_func: Callable[[str], str | None] | None = None,
     curate: Callable[[Dataset], Dataset] | None = None,
@@ -159,9 +159,10 @@ def run_topr_loop(
             only). Fewer than the folder has completed is refused.
         reward_weights (`list[float]`, *optional*):
             Weights of the reward functions.
-        eval_prompts ([`~datasets.Dataset`], *optional*):
+        eval_prompts ([`~datasets.Dataset`] or `dict[str, Dataset]`, *optional*):
             Held-out prompts evaluated after every round with [`evaluate_policy`] (needs `correct_func` and
-            `answer_func`).
+            `answer_func`). A dict evaluates each of its datasets, as TRL's `eval_dataset` does, and names each metric
+            after its dataset: `{"validation": val, "test": test}` gives `validation/pass@1`, `test/pass@1`, ...
         correct_func (`Callable`, *optional*):
             Reward function whose value > 0 means correct, for the evaluation.
         answer_func (`Callable[[str], str | None]`, *optional*):
@@ -221,11 +222,13 @@ def run_topr_loop(
 
     def evaluate(folder: str, policy, training_engine=None) -> dict[str, float]:
         engine.load_weights(folder, model=policy, training_engine=training_engine)
-        if eval_prompts is None:
-            return {}
-        logger.info(f"Evaluating on {len(eval_prompts)} held-out prompts")
-        return evaluate_with_engine(engine, processing_class, eval_prompts, correct_func, answer_func, eval_sampling,
-                                    progress)  # fmt: skip
+        metrics = {}
+        for name, prompts in _named(eval_prompts).items():
+            logger.info(f"Evaluating on {len(prompts)} held-out prompts{f' ({name})' if name else ''}")
+            values = evaluate_with_engine(engine, processing_class, prompts, correct_func, answer_func, eval_sampling,
+                                          progress)  # fmt: skip
+            metrics.update({f"{name}/{key}" if name else key: value for key, value in values.items()})
+        return metrics
 
     try:
         if not log.rounds:
@@ -311,7 +314,17 @@ def _check_prompts_and_rewards(train_prompts, eval_prompts, reward_funcs, reward
     if eval_prompts is not None:
         if correct_func is None or answer_func is None:
             raise ValueError("Evaluating `eval_prompts` needs `correct_func` and `answer_func`.")
-        check_prompts(eval_prompts, "eval prompts")
+        if isinstance(eval_prompts, dict) and not eval_prompts:
+            raise ValueError("`eval_prompts` is an empty dict: give at least one named dataset, or `None`.")
+        for name, prompts in _named(eval_prompts).items():
+            check_prompts(prompts, f"eval prompts {name!r}" if name else "eval prompts")
+
+
+def _named(eval_prompts) -> dict[str, Dataset]:
+    # The evaluation sets by name ("" for a single dataset, whose metrics keep their plain names)
+    if eval_prompts is None:
+        return {}
+    return dict(eval_prompts) if isinstance(eval_prompts, dict) else {"": eval_prompts}
 
 
 class _RoundModels:
