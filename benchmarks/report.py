@@ -151,6 +151,19 @@ def learning_rates() -> str:
     return "\n".join(lines)
 
 
+def topr_epoch1_low(folder: str) -> str:
+    """TOPR's lowest epoch-1 greedy pass@1 over seeds, and its seed."""
+    firsts = [run[0]["pass@1_greedy"] for run in load(folder)["methods"]["topr"]]
+    seed = min(range(len(firsts)), key=firsts.__getitem__)
+    return f"{firsts[seed]:.3f} on seed {seed}"
+
+
+def topr_final_vs_mu(folder: str) -> str:
+    """TOPR's final greedy pass@1 on each seed next to mu's."""
+    finals = " / ".join(f"{run[-1]['pass@1_greedy']:.3f}" for run in load(folder)["methods"]["topr"])
+    return f"{finals} against mu's {load(folder)['methods']['mu'][0][-1]['pass@1_greedy']:.3f}"
+
+
 def ordering(folder: str) -> str:
     """Methods by final greedy pass@1 (mean over seeds), best first."""
     methods = {m: runs for m, runs in load(folder)["methods"].items() if m != "mu"}
@@ -160,13 +173,13 @@ def ordering(folder: str) -> str:
 
 
 def iterative_table(folder: str) -> str:
-    return benchmark("iterative").summarize(load(folder))[0].split("\n\n")[0]
+    """The results' `table.md`, as the benchmark's code of then wrote it (results of earlier protocols included)."""
+    return table(folder, "table.md")
 
 
 def iterative_diagnosis(folder: str, rounds: set[int] | None = None, methods: set[str] | None = None) -> str:
     """`diagnosis.md`'s rows at `rounds`, for `methods` (all by default)."""
-    table = benchmark("iterative").summarize(load(folder))[1]
-    header, rule, *lines = table.splitlines()
+    header, rule, *lines = table(folder, "diagnosis.md").splitlines()
     keep = [line for line in lines if (rounds is None or int(line.split("|")[2]) in rounds)
             and (methods is None or line.split("|")[1].strip() in methods)]  # fmt: skip
     return "\n".join([header, rule, *keep])
@@ -462,6 +475,8 @@ QUOTES: dict[str, Callable[[], str]] = {
     "learning-fast.table": lambda: learning_table("learning-fast-lr1e-4"),
     "learning-fast.rates": learning_rates,
     "learning-fast.ordering": lambda: ordering("learning-fast-lr1e-4"),
+    "learning-fast.topr_epoch1_3e-4": lambda: topr_epoch1_low("learning-fast-lr3e-4"),
+    "learning-fast.topr_final_3e-5": lambda: topr_final_vs_mu("learning-fast-lr3e-5"),
     "learning-fast.time": lambda: duration(provenance("learning-fast-lr1e-4")["seconds"]),
     "learning-fast.machine": lambda: machine("learning-fast-lr1e-4"),
     "learning-fast.dataset": lambda: dataset("learning-fast-lr1e-4"),
