@@ -11,6 +11,7 @@ from conftest import alive, make_args, recording_trainer
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from trl_topr import TOPRDataError
 from trl_topr.evaluation import evaluate_policy
 from trl_topr.generation import GenerationEngine, SamplingSettings
 from trl_topr.loop import read_rounds, run_topr_loop
@@ -166,6 +167,29 @@ def test_a_one_sided_round_trains_with_baseline_0_under_a_target_fraction(tiny_m
         logs = json.loads((tmp_path / name / "round-1" / "trainer_state.json").read_text())["log_history"]
         assert [h["baseline"] for h in logs if "baseline" in h] == [pytest.approx(baseline)], name
         assert rounds[1]["effective_positive_fraction"] == pytest.approx(0.8 if name == "mixed" else 0.0)
+
+
+def test_loop_evaluates_named_sets_as_trl_eval_dataset_dicts(tiny_model_path, tmp_path):
+    # A dict of held-out sets: each evaluated every round, its metrics named after it, and equal to the metrics of the
+    # same set given alone (the same engine, prompts and sampling seed)
+    options = dict(correct_func=correct, answer_func=last_number, progress=False, num_rounds=0,
+                   eval_sampling=SamplingSettings(num_samples=2, max_new_tokens=8, seed=0))  # fmt: skip
+    sets = {"validation": prompts(2, offset=10), "test": prompts(3, offset=20)}
+    named = run_topr_loop(tiny_model_path, prompts(2), correct, make_args(tmp_path / "named"), eval_prompts=sets,
+                          **options)[0]  # fmt: skip
+    for name, dataset in sets.items():
+        alone = run_topr_loop(tiny_model_path, prompts(2), correct, make_args(tmp_path / name), eval_prompts=dataset,
+                              **options)[0]  # fmt: skip
+        assert {key: value for key, value in alone.items() if key != "round"} == {
+            key.removeprefix(f"{name}/"): value for key, value in named.items() if key.startswith(f"{name}/")}
+    assert "pass@1" not in named and {"validation/pass@1", "test/pass@1_greedy"} <= set(named)
+    bad = prompts(2).rename_column("prompt", "question")
+    with pytest.raises(TOPRDataError, match="eval prompts 'test'"):
+        run_topr_loop(tiny_model_path, prompts(2), correct, make_args(tmp_path / "bad"),
+                      eval_prompts={"validation": prompts(2), "test": bad}, **options)  # fmt: skip
+    with pytest.raises(ValueError, match="empty dict"):
+        run_topr_loop(tiny_model_path, prompts(2), correct, make_args(tmp_path / "bad"), eval_prompts={}, **options)
+    assert not (tmp_path / "bad").exists()  # refused before anything was written
 
 
 def test_evaluation_needs_its_functions(tiny_model_path, tmp_path):
