@@ -36,7 +36,7 @@ FIGURES = {  # docs/images/<name> <- benchmarks/results/<file>
     "learning-real.png": "learning-real/learning.png",
     "learning-fast.png": "learning-fast-lr1e-4/learning.png",
     "iterative-fast.png": "iterative-fast/iterative.png",
-    "iterative-real-before-replay.png": "iterative-real-before-replay/iterative.png",
+    "iterative-easy-before-replay.png": "iterative-easy-before-replay/iterative.png",
 }
 
 
@@ -211,14 +211,19 @@ def iterative_replay(folder: str) -> str:
         base = arm.removesuffix(iterative.REPLAY)
         off = [run[-1] for run in methods[arm]["runs"]]
         on = [run[-1] for run in methods[base]["runs"]] if base in methods else []
-        cells = [[mean_sd([r[key] for r in runs]) if runs else "not run" for runs in (on, off)]
+        cells = [[mean_sd([at(r, key) for r in runs]) if runs else "not run" for runs in (on, off)]
                  for key in ("pass@1", "pass@1_greedy")]  # fmt: skip
-        difference = f"{mean(r['pass@1'] for r in off) - mean(r['pass@1'] for r in on):+.3f}" if on else "-"
-        seeds = "; ".join(" / ".join(f"{r['pass@1']:.3f}" for r in runs) or "-" for runs in (on, off))
+        difference = f"{mean(at(r, 'pass@1') for r in off) - mean(at(r, 'pass@1') for r in on):+.3f}" if on else "-"
+        seeds = "; ".join(" / ".join(f"{at(r, 'pass@1'):.3f}" for r in runs) or "-" for runs in (on, off))
         tokens = " / ".join(str(round(mean(r["sampled_tokens"] for r in runs))) if runs else "-" for runs in (on, off))
         lines.append(f"| {base} | {cells[0][0]} | {cells[0][1]} | {difference} | {seeds} | {cells[1][0]} | "
                      f"{cells[1][1]} | {tokens} |")
     return "\n".join(lines)
+
+
+def at(r: dict, key: str) -> float:
+    """A round's test metric, in the results of every protocol (see the benchmark's `at`)."""
+    return benchmark("iterative").at(r, key)
 
 
 def mean_sd(values: list[float]) -> str:
@@ -270,12 +275,43 @@ def iterative_same_rate(folder: str, methods: list[str], lr: float) -> str:
                      "|---|---|" + "---|" * len(rounds)]
         oldest = [max(int(key.split("/")[0].removeprefix("age_")) for key in runs[0][r] if key.startswith("age_"))
                   for r in rounds]  # fmt: skip
-        cells = {label: [f"{mean(run[r][key] for run in runs):.2f}" for r in rounds] for label, key in rows.items()}
+        value = lambda r, key: r[key] if key.startswith("age_") else at(r, key)  # noqa: E731
+        cells = {label: [f"{mean(value(run[r], key) for run in runs):.2f}" for r in rounds] for label, key in rows.items()}
         cells["oldest replayed: log-ratio mean"] = [  # none replayed in round 1
             f"{mean(run[r][f'age_{age}/log_ratio_mean'] for run in runs):.2f}" if age else "-"
             for r, age in zip(rounds, oldest)]  # fmt: skip
         for label, values in cells.items():
             lines.append(f"| {method} | {label} | " + " | ".join(values) + " |")
+    return "\n".join(lines)
+
+
+def iterative_rates(folder: str, methods: list[str], rounds: list[int]) -> str:
+    """The same-rate table: each arm at every rate its sweep ran, from the ledger (mean over the sweep's seeds): the
+    validation criterion (sampled pass@1 averaged over rounds 1..R) and the test sampled pass@1 after `rounds`."""
+    settings, finished = load(folder)["settings"], ledger(folder)
+    seeds = range(settings["sweep_seeds"])
+    lines = ["| method | rate | validation mean, by seed | " + " | ".join(f"test r{r}" for r in rounds) + " |",
+             "|---|---|---|" + "---|" * len(rounds)]
+    for method in methods:
+        for lr in finished.rates(method):
+            entries = [e for seed in seeds if (e := finished.get(method, lr, seed)) is not None]
+            if len(entries) != len(seeds):
+                continue
+            cells = [mean_sd([at(e["rounds"][r], "pass@1") for e in entries]) for r in rounds]
+            by_seed = " / ".join(f"{e['validation']['mean']:.3f}" for e in entries)
+            lines.append(f"| {method} | {rate_text(lr)} | {by_seed} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def iterative_areas(folder: str) -> str:
+    """Each arm at its chosen rate, seed by seed: the test sampled pass@1 averaged over rounds 1..R (learning per
+    sampled completion) and after the last round."""
+    lines = ["| method | rate | test mean over rounds, by seed | after the last round, by seed |", "|---|---|---|---|"]
+    for method, entry in load(folder)["methods"].items():
+        areas = [mean(at(r, "pass@1") for r in run[1:]) for run in entry["runs"]]
+        lasts = [at(run[-1], "pass@1") for run in entry["runs"]]
+        lines.append(f"| {method} | {rate_text(entry['lr'])} | " + " / ".join(f"{a:.3f}" for a in areas) + " | "
+                     + " / ".join(f"{v:.3f}" for v in lasts) + " |")
     return "\n".join(lines)
 
 
@@ -286,7 +322,7 @@ def rate_text(rate: float) -> str:
 
 def iterative_test(folder: str, method: str, key: str = "pass@1") -> str:
     """Mean ± sd over seeds after the last round, as in the results' table."""
-    return mean_sd([run[-1][key] for run in load(folder)["methods"][method]["runs"]])
+    return mean_sd([at(run[-1], key) for run in load(folder)["methods"][method]["runs"]])
 
 
 def iterative_seeds(folder: str) -> str:
@@ -294,8 +330,8 @@ def iterative_seeds(folder: str) -> str:
     lines = ["| method | rate | sampled pass@1, seeds 0 / 1 / 2 | greedy pass@1, seeds 0 / 1 / 2 |", "|---|---|---|---|"]
     for method, entry in load(folder)["methods"].items():
         final = [run[-1] for run in entry["runs"]]
-        lines.append(f"| {method} | {rate_text(entry['lr'])} | " + " / ".join(f"{r['pass@1']:.3f}" for r in final) + " | "
-                     + " / ".join(f"{r['pass@1_greedy']:.3f}" for r in final) + " |")
+        lines.append(f"| {method} | {rate_text(entry['lr'])} | " + " / ".join(f"{at(r, 'pass@1'):.3f}" for r in final)
+                     + " | " + " / ".join(f"{at(r, 'pass@1_greedy'):.3f}" for r in final) + " |")
     return "\n".join(lines)
 
 
@@ -307,7 +343,7 @@ def iterative_round_span(folder: str, method: str, key: str, rounds: range) -> s
 
 def iterative_start(folder: str, key: str) -> str:
     """The starting model's test metric (round 0, mean over TOPR's seeds)."""
-    return f"{mean(run[0][key] for run in load(folder)['methods']['topr']['runs']):.3f}"
+    return f"{mean(at(run[0], key) for run in load(folder)['methods']['topr']['runs']):.3f}"
 
 
 def embedded_rounds(folder: str) -> list[dict]:
@@ -444,7 +480,7 @@ def verifier_tables() -> str:
     return "\n".join(lines)
 
 
-BEFORE = "iterative-real-before-replay"  # the real scale as first run: on-policy rounds, the earlier protocol
+BEFORE = "iterative-easy-before-replay"  # the real scale as first run: on-policy rounds, the earlier protocol
 QUOTES: dict[str, Callable[[], str]] = {
     # the embedded default (README's first command)
     "embedded.table": embedded_table,
@@ -493,8 +529,8 @@ QUOTES: dict[str, Callable[[], str]] = {
     "iterative-fast.topr_peff02_replay": lambda: iterative_test("iterative-fast", "topr_peff0.2+replay"),
     "iterative-fast.positives_only_replay": lambda: iterative_test("iterative-fast", "positives_only+replay"),
     "iterative-fast.time": lambda: duration(sum(iterative_seconds("iterative-fast"))),
-    "iterative-real.progress": lambda: iterative_progress("iterative-real"),
-    "iterative-real.run_time": lambda: duration(mean(iterative_seconds("iterative-real"))),
+    "iterative-easy.progress": lambda: iterative_progress("iterative-easy"),
+    "iterative-easy.run_time": lambda: duration(mean(iterative_seconds("iterative-easy"))),
     "iterative-fast.commit": lambda: provenance("iterative-fast")["commit"][:7],
     "iterative-fast.machine": lambda: machine("iterative-fast"),
     "iterative-fast.seeds": lambda: iterative_seeds("iterative-fast"),
