@@ -315,6 +315,12 @@ def iterative_areas(folder: str) -> str:
     return "\n".join(lines)
 
 
+def iterative_area(folder: str, method: str) -> str:
+    """An arm's test sampled pass@1 averaged over rounds 1..R, mean ± sd over seeds (learning per sampled
+    completion)."""
+    return mean_sd([mean(at(r, "pass@1") for r in run[1:]) for run in load(folder)["methods"][method]["runs"]])
+
+
 def rate_text(rate: float) -> str:
     """1e-05 -> 1e-5, 0.0003 -> 3e-4."""
     return f"{rate:.0e}".replace("e-0", "e-")
@@ -529,6 +535,13 @@ QUOTES: dict[str, Callable[[], str]] = {
     "iterative-fast.topr_peff02_replay": lambda: iterative_test("iterative-fast", "topr_peff0.2+replay"),
     "iterative-fast.positives_only_replay": lambda: iterative_test("iterative-fast", "positives_only+replay"),
     "iterative-fast.time": lambda: duration(sum(iterative_seconds("iterative-fast"))),
+    "iterative-fast.efficiency": lambda: table("iterative-fast", "efficiency.md"),
+    "iterative-fast.areas": lambda: iterative_areas("iterative-fast"),
+    "iterative-fast.rates": lambda: iterative_rates("iterative-fast", [
+        m for m in benchmark("iterative").METHODS if m.endswith(benchmark("iterative").REPLAY)], [2, 4, 8]),
+    **{f"iterative-fast.area.{method}": functools.partial(iterative_area, "iterative-fast", method) for method in (
+        "topr", "topr_peff0.8", "positives_only", "grpo", "topr+replay", "topr_peff0.5+replay",
+        "topr_peff0.8+replay", "positives_only+replay")},
     "iterative-easy.progress": lambda: iterative_progress("iterative-easy"),
     "iterative-easy.run_time": lambda: duration(mean(iterative_seconds("iterative-easy"))),
     "iterative-fast.commit": lambda: provenance("iterative-fast")["commit"][:7],

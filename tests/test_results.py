@@ -81,3 +81,53 @@ def test_every_results_folder_records_its_command_and_commit(folder):
     for run in runs:
         ancestor = subprocess.run(["git", "merge-base", "--is-ancestor", run["commit"], "HEAD"], cwd=ROOT)
         assert ancestor.returncode == 0, f"{folder}: {run['commit']} is not in this branch's history"
+
+
+# ------------------------------------------------------------------------------------ the iterative benchmark's answers
+# docs/benchmarks.md answers its questions in words ("tied", "on every seed", "collapsed"); these hold each answer to
+# the committed fast-scale results, so a re-run that changes the answer fails here until the words change too.
+def fast_results() -> dict:
+    return json.loads((RESULTS / "iterative-fast" / "results.json").read_text())
+
+
+def areas(method: str) -> list[float]:
+    """Per seed: the test sampled pass@1 averaged over rounds 1..R (learning per sampled completion)."""
+    runs = fast_results()["methods"][method]["runs"]
+    return [sum(r["test/pass@1"] for r in run[1:]) / (len(run) - 1) for run in runs]
+
+
+def above(a: str, b: str) -> bool:  # every seed of a above every seed of b
+    return min(areas(a)) > max(areas(b))
+
+
+def tied(a: str, b: str) -> bool:  # the seeds overlap
+    return not above(a, b) and not above(b, a)
+
+
+def test_fast_answers_on_policy():
+    start = fast_results()["methods"]["topr"]["runs"][0][0]["test/pass@1"]
+    assert max(areas("topr")) < start + 0.05  # baseline 0 did not learn at its best rate
+    assert tied("topr_peff0.8", "positives_only")
+    assert above("topr_peff0.8", "topr_peff0.5") and above("positives_only", "topr_peff0.5")
+    assert above("topr_peff0.8", "grpo") and above("positives_only", "grpo")
+
+
+def test_fast_answers_off_policy():
+    # Q1: with the target fraction 0.8 TOPR with replay ties with positives-only with replay; with baseline 0, below it
+    assert tied("topr_peff0.8+replay", "positives_only+replay")
+    assert above("positives_only+replay", "topr+replay")
+    last = {m: [run[-1]["test/pass@1"] for run in fast_results()["methods"][m]["runs"]]
+            for m in ("topr_peff0.8+replay", "positives_only+replay")}  # fmt: skip
+    assert min(last["topr_peff0.8+replay"]) > max(last["positives_only+replay"])  # after the last round: above
+    # Q2: replay's gain, seed by seed
+    assert above("topr+replay", "topr") and above("topr_peff0.5+replay", "topr_peff0.5")
+    assert tied("topr_peff0.8+replay", "topr_peff0.8") and tied("positives_only+replay", "positives_only")
+    # Q3: where TOPR with replay learns, REINFORCE and TIS with replay collapse (the same-rate table, seeds 0 and 1)
+    ledger = report.ledger("iterative-fast")
+    for lr in (1e-4, 3e-4):
+        assert min(ledger.get("topr+replay", lr, seed)["validation"]["mean"] for seed in (0, 1)) > 0.2
+        for method in ("reinforce+replay", "tis+replay"):
+            assert all(r["test/pass@1"] < 0.01 for seed in (0, 1) for r in ledger.get(method, lr, seed)["rounds"][2:])
+    assert all(ledger.get("reinforce+replay", 3e-6, seed)["rounds"][-1]["test/pass@1"] < 0.05 for seed in (0, 1))
+    assert ledger.get("topr+replay", 1e-3, 0)["validation"]["mean"] > 0.1  # still learns at the grid's top
+    assert max(ledger.get("topr_peff0.2+replay", 3e-3, seed)["validation"]["mean"] for seed in (0, 1)) < 0.01
