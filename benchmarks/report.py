@@ -545,6 +545,8 @@ QUOTES: dict[str, Callable[[], str]] = {
     "iterative-easy.progress": lambda: iterative_progress("iterative-easy"),
     "iterative-easy.run_time": lambda: duration(mean(iterative_seconds("iterative-easy"))),
     "iterative-fast.commit": lambda: provenance("iterative-fast")["commit"][:7],
+    **{f"{folder}.commit": functools.partial(lambda f: provenance(f)["commit"][:7], folder)
+       for folder in ("cost", "sampling", "sampling-vllm", "verifier-embedded")},
     "iterative-fast.machine": lambda: machine("iterative-fast"),
     "iterative-fast.seeds": lambda: iterative_seeds("iterative-fast"),
     "iterative-fast.start": lambda: iterative_start("iterative-fast", "pass@1"),
