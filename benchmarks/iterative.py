@@ -45,7 +45,6 @@ import gc
 import json
 import os
 import random
-import shutil
 import statistics
 import sys
 import time

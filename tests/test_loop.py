@@ -223,21 +223,6 @@ def test_quantized_loop_needs_an_adapter(tiny_model_path, tmp_path):
                       quantization_config=BitsAndBytesConfig(load_in_4bit=True))
 
 
-def test_loop_keyword_dicts_are_deprecated_and_still_work(tiny_model_path, tmp_path):
-    # `sampling_kwargs` / `eval_kwargs` (dicts) became `sampling` / `eval_sampling` (SamplingSettings): the old names
-    # warn, name the new ones, and run the same loop; a key that is not a setting is an error.
-    args = make_args(tmp_path / "old", per_device_train_batch_size=4, max_steps=-1)
-    with pytest.warns(FutureWarning, match="sampling="):
-        rounds = run_topr_loop(tiny_model_path, prompts(2), correct, args, num_rounds=1, eval_prompts=prompts(1),
-                               correct_func=correct, answer_func=last_number,
-                               sampling_kwargs={"num_samples": 3, "max_new_tokens": 4, "progress": False},
-                               eval_kwargs={"num_samples": 2, "max_new_tokens": 4, "progress": False})  # fmt: skip
-    assert rounds[1]["num_samples"] == 6 and "maj@2" in rounds[1]
-    with pytest.warns(FutureWarning), pytest.raises(ValueError, match="temprature"):
-        run_topr_loop(tiny_model_path, prompts(2), correct, make_args(tmp_path / "typo"),
-                      sampling_kwargs={"temprature": 0.5})
-
-
 def test_loop_replays_earlier_rounds_with_the_behavior_logps_recorded_when_sampled(tiny_model_path, tmp_path):
     # replay_rounds=2: round r trains on its rows and those of rounds r-1 and r-2, read from their train.jsonl with
     # the mu of their own round. Run for 2 rounds, then resumed for a third after round 1's weights were deleted.

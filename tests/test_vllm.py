@@ -137,15 +137,6 @@ def test_vllm_sampling_settings_match_transformers(smollm2, engine):
     top1 = engine.generate(ids[:1], settings.replace(num_samples=4, top_k=1)).completion_ids  # top-k 1 is greedy
     assert all(sample == vllm_ids[0][: len(sample)] for sample in top1)
 
-    # The deprecated names still work and say what replaced them
-    from trl_topr.sampling import vllm_sampling_kwargs
-
-    with pytest.warns(FutureWarning, match="SamplingSettings"):
-        kwargs = vllm_sampling_kwargs(3, 1.0, 1.0, 0, 12, seed=7)
-    with pytest.warns(FutureWarning, match="VLLMEngine"):
-        old, _ = engine.vllm_generation.sample(ids, kwargs)
-    assert [sample[: len(cut)] for sample, cut in zip(old, first, strict=True)] == first
-
 
 def check_round_two_sampled_from_round_one(output_dir, start: str, tokenizer, replayed: bool = False):
     rounds = [json.loads(line) for line in open(output_dir / "metrics.jsonl")]
@@ -213,7 +204,7 @@ def server(smollm2, tmp_path):
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--port", str(port),
                "--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory-bytes", str(1 << 30),
                "--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192", "--enforce-eager",
-               "--worker-extension-cls", "trl_topr.vllm.TOPRWorkerExtension"]  # fmt: skip
+               "--worker-extension-cls", "trl_topr.generation.vllm_engine.TOPRWorkerExtension"]  # fmt: skip
     log = open(tmp_path / "server.log", "w")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"})
     deadline = time.monotonic() + 600

@@ -8,7 +8,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .data import PROMPT, completion_text
 from .generation import GenerationEngine, SamplingSettings, TransformersEngine, prompt_ids
-from .sampling import _deprecated_vllm_generation, decode_completions, score_completions
+from .sampling import decode_completions, score_completions
 
 
 def evaluate_policy(
@@ -28,7 +28,6 @@ def evaluate_policy(
     progress: bool = True,
     bf16: bool | None = None,
     engine: GenerationEngine | None = None,
-    vllm_generation=None,
 ) -> dict[str, float]:
     """
     Accuracy and validity of a policy's answers, as the TOPR paper reports them.
@@ -67,8 +66,6 @@ def evaluate_policy(
             [`~trl_topr.precision.bf16_is_faster`]).
         engine ([`~trl_topr.generation.GenerationEngine`], *optional*):
             Generate with this engine (e.g. vLLM), holding the policy's weights, instead of `model.generate`.
-        vllm_generation ([`~trl_topr.generation.vllm_engine.TOPRVLLMGeneration`], *optional*):
-            Deprecated: use `engine`.
 
     Returns:
         `dict[str, float]`: `pass@1_greedy` (greedy accuracy), `pass@1` (mean accuracy of the samples),
@@ -78,7 +75,6 @@ def evaluate_policy(
     """
     settings = SamplingSettings(num_samples=num_samples, temperature=temperature, top_p=top_p, top_k=top_k,
                                 max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed)  # fmt: skip
-    engine = engine or _deprecated_vllm_generation(vllm_generation, model, processing_class)
     engine = engine or TransformersEngine(model, processing_class, bf16=bf16)
     return evaluate_with_engine(engine, processing_class, dataset, correct_func, answer_func, settings, progress)
 

@@ -126,8 +126,6 @@ def run_topr_loop(
     progress: bool = True,
     engine: GenerationEngine | None = None,
     replay_rounds: int = 0,
-    sampling_kwargs: dict[str, Any] | None = None,
-    eval_kwargs: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """
     Iterative TOPR, as in the paper: each round samples with the current model (mu = that model), scores, curates,
@@ -196,10 +194,6 @@ def run_topr_loop(
             cut (fewer rows than its round recorded, or a line that is not a whole row), stops the loop with an error
             naming the file and the line, before the round samples (resumed rounds) or trains; no completed round is
             lost (see [`~trl_topr.replay.read_train_rows`]).
-        sampling_kwargs (`dict[str, Any]`, *optional*):
-            Deprecated: use `sampling`.
-        eval_kwargs (`dict[str, Any]`, *optional*):
-            Deprecated: use `eval_sampling`.
 
     Returns:
         `list[dict[str, Any]]`: the metrics of every completed round, round 0 included.
@@ -209,7 +203,8 @@ def run_topr_loop(
             For bad arguments, prompts or reward functions, before anything is loaded, generated or written (the
             prompts' errors name the column and the row).
     """
-    sampling, eval_sampling, progress = _settings(sampling, eval_sampling, progress, sampling_kwargs, eval_kwargs)
+    sampling = sampling or SamplingSettings(num_samples=4)  # `sample_completions`' defaults
+    eval_sampling = eval_sampling or SamplingSettings(num_samples=4, seed=0)  # `evaluate_policy`'s
     _check_arguments(model, args, num_rounds, replay_rounds, sampling, eval_sampling, engine,
                      curate=curate, correct_func=correct_func, answer_func=answer_func)  # fmt: skip
     _check_prompts_and_rewards(train_prompts, eval_prompts, reward_funcs, reward_weights, correct_func, answer_func)
@@ -266,23 +261,6 @@ def run_topr_loop(
         if engine_of_the_loop and engine is not None:
             engine.close()  # keeps the processes' torch.distributed group for the script's next steps
     return read_rounds(str(log.output_dir))
-
-
-def _settings(sampling, eval_sampling, progress, sampling_kwargs, eval_kwargs):
-    # The loop's settings objects, from the deprecated keyword dicts when given
-    if sampling_kwargs is not None or eval_kwargs is not None:
-        warnings.warn("`sampling_kwargs` and `eval_kwargs` are deprecated: pass `sampling=` and `eval_sampling=` "
-                      "`SamplingSettings(...)` (`trl_topr.generation`), and `progress=`.", FutureWarning, stacklevel=3)
-        for name, given in (("sampling_kwargs", sampling_kwargs), ("eval_kwargs", eval_kwargs)):
-            unknown = set(given or {}) - {f.name for f in dataclasses.fields(SamplingSettings)} - {"progress"}
-            if unknown:
-                raise ValueError(f"`{name}`: {sorted(unknown)} are not sampling settings.")
-        progress = all(given.get("progress", progress) for given in (sampling_kwargs or {}, eval_kwargs or {}))
-        sampling = sampling or SamplingSettings.from_kwargs(sampling_kwargs, num_samples=4)
-        eval_sampling = eval_sampling or SamplingSettings.from_kwargs(eval_kwargs, num_samples=4, seed=0)
-    sampling = sampling or SamplingSettings(num_samples=4)  # `sample_completions`' defaults
-    eval_sampling = eval_sampling or SamplingSettings(num_samples=4, seed=0)  # `evaluate_policy`'s
-    return sampling, eval_sampling, progress
 
 
 def _check_arguments(model, args, num_rounds, replay_rounds, sampling, eval_sampling, engine, **callables) -> None:

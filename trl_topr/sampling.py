@@ -13,9 +13,7 @@ towards the model's own distribution, not the tempered or truncated one.
 
 import math
 import tempfile
-import warnings
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from accelerate.logging import get_logger
@@ -39,8 +37,6 @@ from .generation import (
     GenerationEngine,
     SamplingSettings,
     TransformersEngine,
-    VLLMEngine,
-    end_of_sequence_ids,
     generation_engine,
     prompt_ids,
 )
@@ -189,39 +185,6 @@ def score_completions(
     return rewards, per_func
 
 
-def vllm_sampling_kwargs(
-    num_samples: int, temperature: float, top_p: float, top_k: int, max_new_tokens: int, seed: int | None
-) -> dict[str, Any]:
-    """
-    Deprecated: use [`~trl_topr.generation.SamplingSettings`]'s `vllm_kwargs`.
-
-    Args:
-        num_samples (`int`): Completions per prompt.
-        temperature (`float`): Sampling temperature; 0 is greedy.
-        top_p (`float`): Nucleus sampling threshold.
-        top_k (`int`): Top-k, 0 to disable.
-        max_new_tokens (`int`): Maximum completion length.
-        seed (`int`, *optional*): Seed of the sampling.
-
-    Returns:
-        `dict[str, Any]`: keyword arguments of `vllm.SamplingParams`.
-    """
-    warnings.warn("`vllm_sampling_kwargs(...)` is deprecated: use `SamplingSettings(...).vllm_kwargs()` "
-                  "(`trl_topr.generation`).", FutureWarning, stacklevel=2)  # fmt: skip
-    return SamplingSettings(num_samples=num_samples, temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
-                            max_new_tokens=max_new_tokens, seed=seed).vllm_kwargs()  # fmt: skip
-
-
-def _deprecated_vllm_generation(vllm_generation, model, processing_class) -> VLLMEngine | None:
-    # `vllm_generation=` (a `TOPRVLLMGeneration`), the argument that `engine=` replaced
-    if vllm_generation is None:
-        return None
-    warnings.warn("`vllm_generation=` is deprecated: pass `engine=` a generation engine "
-                  "(`trl_topr.generation.generation_engine(model, processing_class, args)`).", FutureWarning,
-                  stacklevel=3)  # fmt: skip
-    return VLLMEngine(vllm_generation, end_of_sequence_ids(model, processing_class))
-
-
 def decode_completions(processing_class: PreTrainedTokenizerBase, prompts: list, completion_ids: list[list[int]]) -> list:
     """
     The completions' text, as messages for conversational prompts.
@@ -262,7 +225,6 @@ def generate_completions(
     engine: GenerationEngine | None = None,
     progress: bool = True,
     bf16: bool | None = None,
-    vllm_generation=None,
 ) -> tuple[list, list[list[int]], float]:
     """
     Generate `num_samples` completions per prompt, with `model.generate` (batched, left padding) or another engine.
@@ -302,8 +264,6 @@ def generate_completions(
         bf16 (`bool`, *optional*):
             Generate under bf16 autocast (transformers). Defaults to the hardware: where bf16 is faster on the
             model's device (see [`~trl_topr.precision.bf16_is_faster`]).
-        vllm_generation ([`~trl_topr.generation.vllm_engine.TOPRVLLMGeneration`], *optional*):
-            Deprecated: use `engine`.
 
     Returns:
         `tuple[list, list[list[int]], float]`: the completions (prompt-major: the samples of prompt 0 first; messages
@@ -312,7 +272,6 @@ def generate_completions(
     """
     settings = SamplingSettings(num_samples=num_samples, temperature=temperature, top_p=top_p, top_k=top_k,
                                 max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed)  # fmt: skip
-    engine = engine or _deprecated_vllm_generation(vllm_generation, model, processing_class)
     engine = engine or TransformersEngine(model, processing_class, bf16=bf16)
     prompts = list(prompts)
     out = engine.generate([prompt_ids(processing_class, p) for p in prompts], settings, progress=progress)
@@ -371,7 +330,6 @@ def sample_completions(
     args: TOPRConfig | None = None,
     engine: GenerationEngine | None = None,
     progress: bool = True,
-    vllm_generation=None,
 ) -> Dataset:
     """
     Sample a TOPR dataset: completions of the prompts by `model`, their rewards, and their behavior log-probs.
@@ -415,8 +373,6 @@ def sample_completions(
             them (default), or the engine's own (vLLM).
         progress (`bool`, *optional*, defaults to `True`):
             Show a progress bar over prompts.
-        vllm_generation ([`~trl_topr.generation.vllm_engine.TOPRVLLMGeneration`], *optional*):
-            Deprecated: use `engine`.
 
     Returns:
         [`~datasets.Dataset`]: one row per completion with `prompt`, `completion`, `reward`, `behavior_logps` (one
@@ -439,7 +395,6 @@ def sample_completions(
         if isinstance(model, str):
             model = create_model_from_path(model, **(args.model_init_kwargs or {}))
         processing_class = processing_class or AutoTokenizer.from_pretrained(model.config._name_or_path)
-        engine = engine or _deprecated_vllm_generation(vllm_generation, model, processing_class)
         return sample_with_engine(engine, model, processing_class, dataset, reward_funcs, settings, args,
                                   reward_weights=reward_weights, progress=progress)  # fmt: skip
 

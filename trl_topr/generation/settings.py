@@ -87,12 +87,3 @@ class SamplingSettings:
             "max_tokens": self.max_new_tokens,
             "seed": self.seed if seed is None else seed,
         }
-
-    @classmethod
-    def from_kwargs(cls, kwargs: dict[str, Any] | None, **defaults: Any) -> "SamplingSettings":
-        """
-        Settings from a dict of keyword arguments, as `sample_completions` and `evaluate_policy` take them, over
-        `defaults`; keys that are not settings are ignored.
-        """
-        names = {field.name for field in dataclasses.fields(cls)}
-        return cls(**{**defaults, **{k: v for k, v in (kwargs or {}).items() if k in names}})

@@ -19,7 +19,6 @@ import concurrent.futures
 import contextlib
 import gc
 import os
-import warnings
 from typing import Any
 
 from accelerate import PartialState
@@ -48,7 +47,8 @@ class TOPRWorkerExtension:
     Methods added to vLLM's workers (vLLM's `worker_extension_cls`): reload the weights in place, on any hardware.
 
     The colocated engine of [`TOPRVLLMGeneration`] gets it automatically; start a server with
-    `--worker-extension-cls trl_topr.vllm.TOPRWorkerExtension` so that the loop can reload it from each round's folder.
+    `--worker-extension-cls trl_topr.generation.vllm_engine.TOPRWorkerExtension` so that the loop can reload it from
+    each round's folder.
     """
 
     def topr_reload_weights(self, weights_path: str | None = None, weights=None) -> None:
@@ -210,36 +210,11 @@ class TOPRVLLMGeneration(VLLMGeneration):
                 raise RuntimeError(
                     f"The vLLM server at {client.base_url} could not reload the weights of {folder} "
                     f"({response.status_code}: {response.text[:300]}). Start it with `VLLM_SERVER_DEV_MODE=1` and "
-                    "`--worker-extension-cls trl_topr.vllm.TOPRWorkerExtension`, on a machine that reads this folder."
+                    "`--worker-extension-cls trl_topr.generation.vllm_engine.TOPRWorkerExtension`, on a machine "
+                    "that reads this folder."
                 )
             client.reset_prefix_cache()
         self.accelerator.wait_for_everyone()
-
-    def sample(
-        self, prompt_ids: list[list[int]], sampling_kwargs: dict[str, Any]
-    ) -> tuple[list[list[int]], list[list[float]] | None]:
-        """
-        Deprecated: use [`~trl_topr.generation.VLLMEngine`]'s `generate` with
-        [`~trl_topr.generation.SamplingSettings`].
-
-        Args:
-            prompt_ids (`list[list[int]]`):
-                Token ids of the prompts.
-            sampling_kwargs (`dict[str, Any]`):
-                Arguments of `vllm.SamplingParams` (`n`, `temperature`, `top_p`, `top_k`, `max_tokens`, `seed`).
-
-        Returns:
-            `tuple[list[list[int]], list[list[float]] | None]`: the completions' token ids, prompt-major (uncut), and
-            vLLM's log-prob of each sampled token.
-        """
-        warnings.warn("`TOPRVLLMGeneration.sample(prompt_ids, sampling_kwargs)` is deprecated: use "
-                      "`trl_topr.generation.VLLMEngine(vllm_generation, eos_ids).generate(prompt_ids, "
-                      "SamplingSettings(...))`.", FutureWarning, stacklevel=2)  # fmt: skip
-        kwargs = sampling_kwargs
-        settings = SamplingSettings(num_samples=kwargs.get("n", 1), temperature=kwargs.get("temperature", 1.0),
-                                    top_p=kwargs.get("top_p", 1.0), top_k=max(kwargs.get("top_k", -1), 0),
-                                    max_new_tokens=kwargs.get("max_tokens", 16), seed=kwargs.get("seed"))  # fmt: skip
-        return VLLMEngine(self, eos_ids=set())._generate_share(prompt_ids, settings, False)
 
     def close(self) -> None:
         """
@@ -399,5 +374,5 @@ class VLLMEngine(GenerationEngine):
 
     def close(self) -> None:
         """Shut a colocated engine down, keeping the processes' `torch.distributed` group (see
-        [`~trl_topr.vllm.TOPRVLLMGeneration.close`])."""
+        [`TOPRVLLMGeneration.close`])."""
         self.vllm_generation.close()
