@@ -173,7 +173,7 @@ def main(argv=None) -> str:
             for name in order[rep % 3:] + order[: rep % 3]:
                 start = time.perf_counter()
                 if name == "precompute":
-                    trainer._maybe_precompute_behavior_logps(tokenized, "train")
+                    trainer.precompute_behavior_logps(tokenized, "train")
                     tokens[name] = sum(map(len, tokenized["input_ids"]))
                 else:
                     tokens[name] = forward_loop(scorers[name], batches, trainer.accelerator.autocast)

@@ -18,9 +18,13 @@ CHECKPOINTING = (
 
 
 @dataclass
-class _ActivationCheckpointingName:
-    # Before transformers 5.20, `activation_checkpointing` is accepted as the name of `gradient_checkpointing`, so
-    # that one configuration file works with both.
+class ActivationCheckpointingName:
+    """
+    Mixin of [`TOPRConfig`] and [`~trl_topr.online.TOPRGRPOConfig`]: before transformers 5.20,
+    `activation_checkpointing` is accepted as the name of `gradient_checkpointing`, so that one configuration file
+    works with both.
+    """
+
     if CHECKPOINTING == "gradient_checkpointing":
         activation_checkpointing: bool | None = field(
             default=None, metadata={"help": "Activation checkpointing (transformers' `gradient_checkpointing`)."}
@@ -136,7 +140,7 @@ class VLLMArguments:
 
 
 @dataclass
-class TOPRConfig(VLLMArguments, _ActivationCheckpointingName, SFTConfig):
+class TOPRConfig(VLLMArguments, ActivationCheckpointingName, SFTConfig):
     r"""
     Configuration class for the [`TOPRTrainer`].
 

@@ -38,7 +38,24 @@ class TOPRDataError(ValueError):
     """A dataset breaks the TOPR data contract. The message names the column and the first offending row."""
 
 
-def _fail(dataset_name: str, column: str, row: int, problem: str) -> TOPRDataError:
+def data_error(dataset_name: str, column: str, row: int, problem: str) -> TOPRDataError:
+    """
+    The error of a bad value in a dataset, worded the same everywhere: the dataset, the column and the row, then the
+    problem.
+
+    Args:
+        dataset_name (`str`):
+            The dataset's name in the message (e.g. `"train"`).
+        column (`str`):
+            The column of the bad value.
+        row (`int`):
+            Its row.
+        problem (`str`):
+            What is wrong with it, and what was expected.
+
+    Returns:
+        [`TOPRDataError`]: the error, to raise.
+    """
     return TOPRDataError(f"{dataset_name} dataset, column '{column}', row {row}: {problem}")
 
 
@@ -61,7 +78,7 @@ def _check_text(value: Any, conversational: bool, dataset_name: str, column: str
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), (str, list))
             for m in value
         ):
-            raise _fail(
+            raise data_error(
                 dataset_name,
                 column,
                 row,
@@ -70,12 +87,12 @@ def _check_text(value: Any, conversational: bool, dataset_name: str, column: str
             )
         unknown = [m["role"] for m in value if m["role"] not in KNOWN_ROLES]
         if unknown:
-            raise _fail(dataset_name, column, row, f"unknown role {unknown[0]!r}: expected one of {KNOWN_ROLES}.")
+            raise data_error(dataset_name, column, row, f"unknown role {unknown[0]!r}: expected one of {KNOWN_ROLES}.")
         if is_completion and not value:
-            raise _fail(dataset_name, column, row, "a completion needs at least one message, got [].")
+            raise data_error(dataset_name, column, row, "a completion needs at least one message, got [].")
     else:
         if not isinstance(value, str):
-            raise _fail(
+            raise data_error(
                 dataset_name,
                 column,
                 row,
@@ -109,7 +126,7 @@ def check_prompts(dataset: Dataset, dataset_name: str = "prompts") -> None:
     for row, prompt in enumerate(prompts):
         _check_text(prompt, conversational, dataset_name, PROMPT, row, is_completion=False)
         if conversational and not prompt:
-            raise _fail(dataset_name, PROMPT, row, "a conversational prompt needs at least one message, got [].")
+            raise data_error(dataset_name, PROMPT, row, "a conversational prompt needs at least one message, got [].")
 
 
 def validate_and_standardize(dataset: Dataset, args, dataset_name: str = "train") -> Dataset:
@@ -201,9 +218,10 @@ def _check_token_ids(dataset, dataset_name: str) -> None:
         for column in (PROMPT_IDS, COMPLETION_IDS):
             for row, ids in enumerate(dataset[column]):
                 if not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids):
-                    raise _fail(dataset_name, column, row, f"expected a list of token ids (ints >= 0), got {ids!r}.")
+                    raise data_error(dataset_name, column, row,
+                                     f"expected a list of token ids (ints >= 0), got {ids!r}.")
                 if column == COMPLETION_IDS and not ids:
-                    raise _fail(dataset_name, column, row, "a completion needs at least one token id, got [].")
+                    raise data_error(dataset_name, column, row, "a completion needs at least one token id, got [].")
 
 
 def _checked_rewards(dataset, args, dataset_name: str) -> list[float]:
@@ -213,14 +231,14 @@ def _checked_rewards(dataset, args, dataset_name: str) -> list[float]:
         for row, reward in enumerate(rewards):
             if not _is_number(reward):
                 hint = f" For boolean outcomes use a '{args.label_column}' column." if isinstance(reward, bool) else ""
-                raise _fail(dataset_name, args.reward_column, row, f"expected a number, got {reward!r}.{hint}")
+                raise data_error(dataset_name, args.reward_column, row, f"expected a number, got {reward!r}.{hint}")
             if not math.isfinite(reward):
-                raise _fail(dataset_name, args.reward_column, row, f"reward must be finite, got {reward}.")
+                raise data_error(dataset_name, args.reward_column, row, f"reward must be finite, got {reward}.")
         return [float(r) for r in rewards]
     labels = dataset[args.label_column]
     for row, label in enumerate(labels):
         if not isinstance(label, bool):
-            raise _fail(dataset_name, args.label_column, row, f"expected a boolean, got {label!r}.")
+            raise data_error(dataset_name, args.label_column, row, f"expected a boolean, got {label!r}.")
     return [1.0 if label else -1.0 for label in labels]
 
 
@@ -237,11 +255,11 @@ def _check_behavior_logps(values: list, args, dataset_name: str) -> None:
     for row, value in enumerate(values):
         items = value if per_token and isinstance(value, list) else [value]
         if (per_token and not isinstance(value, list)) or not all(_is_number(v) for v in items):
-            raise _fail(dataset_name, column, row,
+            raise data_error(dataset_name, column, row,
                         f"expected {'a list of floats' if per_token else 'a float'}, like row 0, got {value!r}.")
         for v in items:
             if not math.isfinite(v) or v > 0:
-                raise _fail(dataset_name, column, row, f"log-probabilities must be finite and <= 0, got {v}.")
+                raise data_error(dataset_name, column, row, f"log-probabilities must be finite and <= 0, got {v}.")
 
 
 def check_and_truncate_tokens(dataset: Dataset, max_length: int | None, dataset_name: str = "train") -> Dataset:
@@ -279,7 +297,7 @@ def check_and_truncate_tokens(dataset: Dataset, max_length: int | None, dataset_
             needs_rewrite = True
         num_completion = sum(label != -100 for label in labels)
         if num_completion == 0:
-            raise _fail(
+            raise data_error(
                 dataset_name,
                 COMPLETION,
                 row,
@@ -287,7 +305,7 @@ def check_and_truncate_tokens(dataset: Dataset, max_length: int | None, dataset_
                 "empty prompt: its first token has no context to be predicted from).",
             )
         if per_token and len(behavior[row]) != num_completion:
-            raise _fail(
+            raise data_error(
                 dataset_name,
                 BEHAVIOR_LOGPS,
                 row,
@@ -300,7 +318,7 @@ def check_and_truncate_tokens(dataset: Dataset, max_length: int | None, dataset_
         needs_rewrite = True
         kept = sum(label != -100 for label in labels[:max_length])
         if kept == 0:
-            raise _fail(
+            raise data_error(
                 dataset_name,
                 PROMPT,
                 row,
@@ -308,7 +326,7 @@ def check_and_truncate_tokens(dataset: Dataset, max_length: int | None, dataset_
                 "`max_length` or shorten the prompt.",
             )
         if behavior is not None and not per_token and kept < num_completion:
-            raise _fail(
+            raise data_error(
                 dataset_name,
                 BEHAVIOR_LOGPS,
                 row,

@@ -33,7 +33,18 @@ def _partitioned(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if hasattr(p, "ds_id") and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
 
 
-def _is_meta(model: torch.nn.Module) -> bool:
+def is_meta_model(model: torch.nn.Module) -> bool:
+    """
+    Whether any of the model's parameters is on the meta device (under FSDP's CPU-RAM-efficient loading, every process
+    but the first holds its weights there until the engine shards them).
+
+    Args:
+        model ([`~torch.nn.Module`]):
+            The model.
+
+    Returns:
+        `bool`: whether it holds a parameter without data.
+    """
     return any(p.device.type == "meta" for p in model.parameters())
 
 
@@ -59,7 +70,7 @@ def full_weights(model: torch.nn.Module, engine=None):
             When this process holds no weights at all (parameters on the `meta` device, as FSDP's CPU-RAM-efficient
             loading leaves them on every process but the first until training starts).
     """
-    if _is_meta(model):
+    if is_meta_model(model):
         raise ValueError(
             "This process holds no weights (its parameters are on the `meta` device): FSDP's CPU-RAM-efficient "
             "loading loads them on the first process only, until training starts, and trl-topr samples and computes "

@@ -11,7 +11,7 @@ from trl.trainer import grpo_trainer
 from trl.trainer.utils import get_config_model_id
 
 from .composition import baseline_for_positive_fraction
-from .config import TOPRConfig, _ActivationCheckpointingName, apply_training_defaults
+from .config import ActivationCheckpointingName, TOPRConfig, apply_training_defaults
 from .loss import (
     LOSS_NORMALIZATIONS,
     LOSS_TYPES,
@@ -41,7 +41,7 @@ def _like_topr(name: str, **metadata):
 
 
 @dataclass
-class TOPRGRPOConfig(_ActivationCheckpointingName, GRPOConfig):
+class TOPRGRPOConfig(ActivationCheckpointingName, GRPOConfig):
     r"""
     Configuration class for the [`TOPRGRPOTrainer`].
 

@@ -14,7 +14,7 @@ from accelerate.utils import broadcast_object_list
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from .behavior import completion_logps, inference_mode, to_device, with_fused_lm_head
-from .distributed import _is_meta, full_weights
+from .distributed import full_weights, is_meta_model
 
 
 # Two rows of different lengths (token ids taken modulo the vocabulary), every token after the first scored.
@@ -75,7 +75,7 @@ def check_sequences_kept_apart(model: torch.nn.Module, pad_token_id: int) -> Non
             When the rows' log-probs change when they are laid end to end: they attend to one another.
     """
     verdict = [None]
-    if not _is_meta(model):  # under FSDP's CPU-RAM-efficient loading only the first process holds the weights
+    if not is_meta_model(model):  # under FSDP's CPU-RAM-efficient loading only the first process holds the weights
         with full_weights(model), inference_mode(with_fused_lm_head(model)):
             verdict = [sequence_mixing(model, pad_token_id)]
     broadcast_object_list(verdict, from_process=0)

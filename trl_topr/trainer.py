@@ -223,13 +223,13 @@ class TOPRTrainer(SFTTrainer):
             check_sequences_kept_apart(self.model, self._tokenizer.pad_token_id)
 
         # mu defaults to the initial policy: computed now, before any update and before a checkpoint is loaded.
-        self.train_dataset = self._maybe_precompute_behavior_logps(self.train_dataset, "train")
+        self.train_dataset = self.precompute_behavior_logps(self.train_dataset, "train")
         if isinstance(self.eval_dataset, dict):
             self.eval_dataset = {
-                name: self._maybe_precompute_behavior_logps(ds, name) for name, ds in self.eval_dataset.items()
+                name: self.precompute_behavior_logps(ds, name) for name, ds in self.eval_dataset.items()
             }
         elif self.eval_dataset is not None:
-            self.eval_dataset = self._maybe_precompute_behavior_logps(self.eval_dataset, "eval")
+            self.eval_dataset = self.precompute_behavior_logps(self.eval_dataset, "eval")
 
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
         if "input_ids" in dataset.column_names:  # already prepared
@@ -315,7 +315,7 @@ class TOPRTrainer(SFTTrainer):
             if isinstance(dataset, Dataset) and "input_ids" not in dataset.column_names:  # not prepared yet
                 dataset = validate_and_standardize(dataset, self.args, name)
                 dataset = self._prepare_dataset(dataset, self.processing_class, self.args, False, None, name)
-                datasets[name] = self._maybe_precompute_behavior_logps(dataset, name)
+                datasets[name] = self.precompute_behavior_logps(dataset, name)
         if eval_dataset is not None and not isinstance(eval_dataset, (dict, str)):
             eval_dataset = datasets[metric_key_prefix]
         return super().evaluate(eval_dataset=eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
@@ -325,7 +325,21 @@ class TOPRTrainer(SFTTrainer):
             self._signature_columns = ["input_ids", "labels", REWARD, BEHAVIOR_LOGPS]
 
     @torch.no_grad()
-    def _maybe_precompute_behavior_logps(self, dataset: Dataset, name: str) -> Dataset:
+    def precompute_behavior_logps(self, dataset: Dataset, name: str) -> Dataset:
+        """
+        The dataset with its `behavior_logps` column: as given, or computed with the model as it is now (on-policy
+        data, mu = the model before training), one value per completion token; what the trainer does at construction
+        to a dataset without the column.
+
+        Args:
+            dataset ([`~datasets.Dataset`]):
+                Tokenized rows (`input_ids`, `labels`, ...), as the trainer holds them.
+            name (`str`):
+                The dataset's name, in the progress bar and errors (`"train"`, `"eval"`, ...).
+
+        Returns:
+            [`~datasets.Dataset`]: the dataset, with `behavior_logps`.
+        """
         if BEHAVIOR_LOGPS in dataset.column_names:
             return dataset
         # Like TRL's reference log-prob precompute: cached next to a dataset read from files, keyed by the data and by

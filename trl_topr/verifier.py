@@ -8,7 +8,7 @@ from numbers import Real
 
 from datasets import Dataset
 
-from .data import _fail, completion_text
+from .data import completion_text, data_error
 
 
 VERIFIER_INSTRUCTION = (
@@ -79,15 +79,15 @@ def verifier_prompts(
     for i, row in enumerate(rows):
         for column in (question_column, solution_column, correct_column):
             if column not in row:
-                raise _fail("verifier_prompts", column, i, f"missing (the row has {sorted(row)}).")
+                raise data_error("verifier_prompts", column, i, f"missing (the row has {sorted(row)}).")
         question, solution, correct = row[question_column], row[solution_column], row[correct_column]
         if isinstance(solution, list) and solution:  # a conversational completion
             solution = completion_text(solution)
         for column, text in ((question_column, question), (solution_column, solution)):
             if not isinstance(text, str) or not text.strip():
-                raise _fail("verifier_prompts", column, i, f"expected a non-empty string, got {text!r}.")
+                raise data_error("verifier_prompts", column, i, f"expected a non-empty string, got {text!r}.")
         if not isinstance(correct, (bool, Real)) or correct != correct:
-            raise _fail("verifier_prompts", correct_column, i,
+            raise data_error("verifier_prompts", correct_column, i,
                         f"expected a bool, or a number where > 0 means correct, got {correct!r}.")
         body = f"Problem: {question.strip()}\n\nProposed solution: {solution.strip()}"
         if conversational:
