@@ -543,6 +543,10 @@ QUOTES: dict[str, Callable[[], str]] = {
         "topr", "topr_peff0.8", "positives_only", "grpo", "topr+replay", "topr_peff0.5+replay",
         "topr_peff0.8+replay", "positives_only+replay")},
     "iterative-easy.progress": lambda: iterative_progress("iterative-easy"),
+    "iterative-real.progress": lambda: iterative_progress("iterative-real"),
+    "iterative-real.run_time": lambda: duration(mean(iterative_seconds("iterative-real"))),
+    "iterative-real.machine": lambda: machine("iterative-real"),
+    "iterative-real.sweep": lambda: table("iterative-real", "sweep.md"),
     "iterative-easy.run_time": lambda: duration(mean(iterative_seconds("iterative-easy"))),
     "iterative-fast.commit": lambda: provenance("iterative-fast")["commit"][:7],
     **{f"{folder}.commit": functools.partial(lambda f: provenance(f)["commit"][:7], folder)
