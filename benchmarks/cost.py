@@ -68,6 +68,7 @@ from pathlib import Path
 
 from provenance import save
 
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -88,8 +89,7 @@ ARCHS = {
 
 def build_model(folder: str, arch: str) -> str:
     """The conftest tokenizer (BPE, ChatML) with a model of `arch` (`ARCHS`), saved to `folder` with random weights."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import build_tiny_model
+    from trl_topr.testing import build_tiny_model
 
     build_tiny_model(folder)
     if arch == "tiny":
@@ -102,16 +102,30 @@ def build_model(folder: str, arch: str) -> str:
     torch.manual_seed(0)
     if arch == "small":
         config = LlamaConfig(
-            vocab_size=len(tok), hidden_size=576, intermediate_size=1536, num_hidden_layers=6,
-            num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=1024, tie_word_embeddings=True,
+            vocab_size=len(tok),
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=6,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            max_position_embeddings=1024,
+            tie_word_embeddings=True,
             **special,
         )
         LlamaForCausalLM(config).save_pretrained(folder)
     else:  # Qwen2.5-0.5B's config.json; the tokenizer's ids (< 200) are a subset of its vocabulary
         config = Qwen2Config(
-            vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-            num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6,
-            rms_norm_eps=1e-6, tie_word_embeddings=True, **special,
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
+            rope_theta=1e6,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            **special,
         )
         Qwen2ForCausalLM(config).save_pretrained(folder)
     return folder
@@ -127,7 +141,10 @@ def make_rows(folder: str, length: int, n: int) -> dict:
     tok = AutoTokenizer.from_pretrained(folder)
     words = [w for w in string.ascii_lowercase if len(tok(w, add_special_tokens=False)["input_ids"]) == 1]
     rng = random.Random(0)
-    text = lambda k: "".join(rng.choice(words) for _ in range(k))
+
+    def text(k: int) -> str:
+        return "".join(rng.choice(words) for _ in range(k))
+
     rows = {"prompt": [text(PROMPT_TOKENS) for _ in range(n)], "completion": [text(length) for _ in range(n)]}
     assert all(len(tok(c, add_special_tokens=False)["input_ids"]) == length for c in rows["completion"])
     rows["reward"] = [1.0 if i % 2 == 0 else -1.0 for i in range(n)]
@@ -173,14 +190,23 @@ def bf16(fp32: bool, device: str = "cpu") -> bool:
 
 
 def common_args(spec: dict) -> dict:
-    from trl_topr.config import CHECKPOINTING  # the name of the transformers installed
+    from trl_topr.compat import CHECKPOINTING  # the name of the transformers installed
 
     return {
-        "output_dir": spec["out"], "use_cpu": spec["device"] == "cpu", "bf16": bf16(spec["fp32"], spec["device"]),
-        "report_to": "none", "seed": 0,
-        "per_device_train_batch_size": spec["batch"], "per_device_eval_batch_size": spec["batch"],
-        "max_steps": spec["steps"], "logging_steps": 10**6, "save_strategy": "no", CHECKPOINTING: False,
-        "learning_rate": 1e-5, "dataloader_num_workers": 0, "max_length": PROMPT_TOKENS + spec["length"] + 8,
+        "output_dir": spec["out"],
+        "use_cpu": spec["device"] == "cpu",
+        "bf16": bf16(spec["fp32"], spec["device"]),
+        "report_to": "none",
+        "seed": 0,
+        "per_device_train_batch_size": spec["batch"],
+        "per_device_eval_batch_size": spec["batch"],
+        "max_steps": spec["steps"],
+        "logging_steps": 10**6,
+        "save_strategy": "no",
+        CHECKPOINTING: False,
+        "learning_rate": 1e-5,
+        "dataloader_num_workers": 0,
+        "max_length": PROMPT_TOKENS + spec["length"] + 8,
         **({"model_init_kwargs": {"attn_implementation": spec["attn"]}} if spec.get("attn") else {}),
         **({"padding_free": True} if spec.get("padding_free") else {}),
     }
@@ -197,14 +223,19 @@ def qlora_configs(spec: dict) -> dict:
     from peft import LoraConfig
     from transformers import BitsAndBytesConfig
 
-    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                      bnb_4bit_compute_dtype=torch.bfloat16)
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
     lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
     return {"quantization_config": quantization, "peft_config": lora}
 
 
 def matmul_params(folder: str) -> int:
-    """Parameters of the saved model that take part in a matrix product per token: all but an untied input embedding."""
+    """Parameters of the saved model that take part in a matrix product per token: all but an untied input
+    embedding."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -216,7 +247,8 @@ def matmul_params(folder: str) -> int:
 
 
 def worker(spec: dict) -> dict:
-    """Train one trainer for spec["steps"] steps in this (fresh) process; return its step times, total and peak memory."""
+    """Train one trainer for spec["steps"] steps in this (fresh) process; return its step times, total and peak
+    memory."""
     import psutil
     import torch
     from datasets import Dataset, disable_caching
@@ -266,17 +298,20 @@ def worker(spec: dict) -> dict:
     start = time.perf_counter()
     if name == "SFT":
         data = Dataset.from_dict({k: rows[k] for k in ("prompt", "completion")})
-        trainer = SFTTrainer(model, args=SFTConfig(completion_only_loss=True, **kw), train_dataset=data,
-                             callbacks=[Timer()], **qlora)
+        trainer = SFTTrainer(
+            model, args=SFTConfig(completion_only_loss=True, **kw), train_dataset=data, callbacks=[Timer()], **qlora
+        )
     elif name == "KTO":
-        data = Dataset.from_dict({"prompt": rows["prompt"], "completion": rows["completion"],
-                                  "label": [r > 0 for r in rows["reward"]]})
+        data = Dataset.from_dict(
+            {"prompt": rows["prompt"], "completion": rows["completion"], "label": [r > 0 for r in rows["reward"]]}
+        )
         trainer = KTOTrainer(model, args=KTOConfig(**kw), train_dataset=data, callbacks=[Timer()])
     else:
         if name == "TOPR+pre":
             rows = {k: v for k, v in rows.items() if k != "behavior_logps"}
-        trainer = TOPRTrainer(model, args=TOPRConfig(**kw), train_dataset=Dataset.from_dict(rows),
-                              callbacks=[Timer()], **qlora)
+        trainer = TOPRTrainer(
+            model, args=TOPRConfig(**kw), train_dataset=Dataset.from_dict(rows), callbacks=[Timer()], **qlora
+        )
     collate, held = trainer.data_collator, []  # the tokens each collated batch holds, padding included
 
     def counting(examples):
@@ -289,9 +324,15 @@ def worker(spec: dict) -> dict:
     total = time.perf_counter() - start
     done.set()
     peak_mb = torch.cuda.max_memory_allocated() / 2**20 if cuda else (peak[0] - base) / 2**20
-    result = {"times": times, "total": total, "peak_mb": peak_mb, "held_tokens": sum(held),
-              "dataset_tokens": sum(len(ids) for ids in trainer.train_dataset["input_ids"])
-              if "input_ids" in trainer.train_dataset.column_names else None}  # KTO tokenizes into other columns
+    result = {
+        "times": times,
+        "total": total,
+        "peak_mb": peak_mb,
+        "held_tokens": sum(held),
+        "dataset_tokens": sum(len(ids) for ids in trainer.train_dataset["input_ids"])
+        if "input_ids" in trainer.train_dataset.column_names
+        else None,
+    }  # KTO tokenizes into other columns
     if profiler[0] is not None:
         profiler[0].__exit__(None, None, None)
         result["profile"] = top_operators(profiler[0], cuda, steps=len(times) - 1)
@@ -310,8 +351,11 @@ def top_operators(profiler, cuda: bool, steps: int, limit: int = 12) -> list:
     if cuda:
         total = sum(e.self_device_time_total for e in averages if e.device_type == DeviceType.CUDA)
         # "Activity Buffer Request" is the profiler's own bookkeeping, not an operator of the step
-        events = [(e, e.self_device_time_total) for e in averages
-                  if e.device_type == DeviceType.CPU and e.key != "Activity Buffer Request"]
+        events = [
+            (e, e.self_device_time_total)
+            for e in averages
+            if e.device_type == DeviceType.CPU and e.key != "Activity Buffer Request"
+        ]
     else:
         events = [(e, e.self_cpu_time_total) for e in averages]
         total = sum(time for _, time in events)
@@ -327,8 +371,9 @@ def behavior_logps(folder: str, rows: dict, spec: dict) -> list:
 
     from trl_topr import TOPRConfig, TOPRTrainer
 
-    trainer = TOPRTrainer(folder, args=TOPRConfig(**common_args(spec)), train_dataset=Dataset.from_dict(rows),
-                          **qlora_configs(spec))
+    trainer = TOPRTrainer(
+        folder, args=TOPRConfig(**common_args(spec)), train_dataset=Dataset.from_dict(rows), **qlora_configs(spec)
+    )
     return [list(v) for v in trainer.train_dataset["behavior_logps"]]
 
 
@@ -353,12 +398,14 @@ def matmul_tflops() -> float:
 def run_worker(spec: dict) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
-    proc = subprocess.run([sys.executable, __file__, "--worker", f.name], capture_output=True, text=True, cwd=ROOT, check=False)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--worker", f.name], capture_output=True, text=True, cwd=ROOT, check=False
+    )
     os.unlink(f.name)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise RuntimeError(f"{spec['trainer']} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def main(argv=None) -> str:
@@ -376,12 +423,19 @@ def main(argv=None) -> str:
     parser.add_argument("--profile", action="store_true", help="print each trainer's top operators (torch.profiler)")
     parser.add_argument("--mix", action="store_true", help="uneven completion lengths: tokens/s of batch layouts")
     parser.add_argument("--max_length", type=int, help="--mix: longest completion (default 512, 128 with --quick)")
-    parser.add_argument("--attn_implementation", help="the models' attention (e.g. flex_attention, flash_attention_2; "
-                        "default: transformers')")
-    parser.add_argument("--padding_free", action="store_true", help="SFT and TOPR padding-free (not with --mix, whose "
-                        "arms choose their layouts)")
-    parser.add_argument("--out", help="results folder (default: benchmarks/results/cost[-mix][-cuda][-qlora]"
-                                      "[-profile], outputs/ with --quick)")
+    parser.add_argument(
+        "--attn_implementation",
+        help="the models' attention (e.g. flex_attention, flash_attention_2; default: transformers')",
+    )
+    parser.add_argument(
+        "--padding_free",
+        action="store_true",
+        help="SFT and TOPR padding-free (not with --mix, whose arms choose their layouts)",
+    )
+    parser.add_argument(
+        "--out",
+        help="results folder (default: benchmarks/results/cost[-mix][-cuda][-qlora][-profile], outputs/ with --quick)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     name = "cost" + "-mix" * args.mix + "-cuda" * (args.device == "cuda") + "-qlora" * args.qlora
@@ -411,10 +465,20 @@ def main(argv=None) -> str:
         params = matmul_params(folder)
         for length in lengths:
             for batch in batches:
-                spec = {"model": folder, "length": length, "batch": batch, "steps": steps, "fp32": args.fp32,
-                        "device": args.device, "qlora": args.qlora, "profile": args.profile,
-                        "attn": args.attn_implementation, "padding_free": args.padding_free,
-                        "out": str(Path(tmp) / "out"), "data": str(Path(tmp) / f"data-{length}-{batch}.json")}
+                spec = {
+                    "model": folder,
+                    "length": length,
+                    "batch": batch,
+                    "steps": steps,
+                    "fp32": args.fp32,
+                    "device": args.device,
+                    "qlora": args.qlora,
+                    "profile": args.profile,
+                    "attn": args.attn_implementation,
+                    "padding_free": args.padding_free,
+                    "out": str(Path(tmp) / "out"),
+                    "data": str(Path(tmp) / f"data-{length}-{batch}.json"),
+                }
                 rows = make_rows(folder, length, steps * batch)
                 rows["behavior_logps"] = behavior_logps(folder, rows, spec)
                 Path(spec["data"]).write_text(json.dumps(rows))
@@ -453,8 +517,12 @@ def main(argv=None) -> str:
         if peak_tflops:
             flops = (4 if args.qlora else 6) * params * batch * (PROMPT_TOKENS + length)
             rate = {name: flops / times[name] / 1e12 for name in ("SFT", "TOPR")}
-            cells += [f"{rate['SFT']:.1f}", f"{rate['TOPR']:.1f}", f"{rate['SFT'] / peak_tflops:.1%}",
-                      f"{rate['TOPR'] / peak_tflops:.1%}"]
+            cells += [
+                f"{rate['SFT']:.1f}",
+                f"{rate['TOPR']:.1f}",
+                f"{rate['SFT'] / peak_tflops:.1%}",
+                f"{rate['TOPR'] / peak_tflops:.1%}",
+            ]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     table = "\n".join(lines)
     if args.device == "cuda":
@@ -468,25 +536,46 @@ def main(argv=None) -> str:
         precision = "NF4 4-bit base + LoRA r=16 (all linear layers), " + precision
     extra = "; KTO = policy + reference forwards on matched and mismatched (KL) pairs" if kto else ""
     precision += ", padding-free" * args.padding_free + f", {args.attn_implementation} attention" * bool(
-        args.attn_implementation)
-    title = (f"{ARCHS[arch]}, {precision}, {where}, prompt {PROMPT_TOKENS} tokens, {steps} steps, {args.reps} rep(s)"
-             f"{extra}; {time.perf_counter() - t0:.0f} s in all")
+        args.attn_implementation
+    )
+    title = (
+        f"{ARCHS[arch]}, {precision}, {where}, prompt {PROMPT_TOKENS} tokens, {steps} steps, {args.reps} rep(s)"
+        f"{extra}; {time.perf_counter() - t0:.0f} s in all"
+    )
     profiles = []
     for length, batch, runs in results:
         for name, r in runs.items():
             if "profile" in r[0]:
                 unit = "device" if args.device == "cuda" else "CPU"
                 profiles.append(f"{name}, L={length}, batch {batch}: {unit} self time per profiled step (ms)\n")
-                profiles.append("| operator | ms/step | calls/step |\n|---|---|---|\n" + "\n".join(
-                    f"| {op.replace('|', '/')} | {ms:.2f} | {'' if calls is None else calls} |"
-                    for op, ms, calls in r[0]["profile"]) + "\n")  # fmt: skip
+                profiles.append(
+                    "| operator | ms/step | calls/step |\n|---|---|---|\n"
+                    + "\n".join(
+                        f"| {op.replace('|', '/')} | {ms:.2f} | {'' if calls is None else calls} |"
+                        for op, ms, calls in r[0]["profile"]
+                    )
+                    + "\n"
+                )
     report = "\n".join([f"{title}\n", table, *(["", *profiles] if profiles else [])])
     print(report)
     cells = [{"length": length, "batch": batch, "runs": runs} for length, batch, runs in results]
-    settings = {"arch": ARCHS[arch], "precision": precision, "device": where, "prompt_tokens": PROMPT_TOKENS,
-                "steps": steps, "reps": args.reps, "matmul_params": params, "peak_tflops": peak_tflops}
-    save(out, {"results.json": {"title": title, "settings": settings, "cells": cells}, "table.md": report + "\n"},
-         script=__file__, argv=argv, started=started)
+    settings = {
+        "arch": ARCHS[arch],
+        "precision": precision,
+        "device": where,
+        "prompt_tokens": PROMPT_TOKENS,
+        "steps": steps,
+        "reps": args.reps,
+        "matmul_params": params,
+        "peak_tflops": peak_tflops,
+    }
+    save(
+        out,
+        {"results.json": {"title": title, "settings": settings, "cells": cells}, "table.md": report + "\n"},
+        script=__file__,
+        argv=argv,
+        started=started,
+    )
     return table
 
 
@@ -501,10 +590,17 @@ def mix_main(args, out: Path, started: float, argv) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         folder = build_model(str(Path(tmp) / "model"), arch)
         for batch in batches:
-            spec = {"model": folder, "length": longest, "batch": batch, "steps": 2 * steps_per_epoch,
-                    "fp32": args.fp32, "device": args.device, "out": str(Path(tmp) / "out"),
-                    "attn": args.attn_implementation,
-                    "data": str(Path(tmp) / f"data-{batch}.json")}
+            spec = {
+                "model": folder,
+                "length": longest,
+                "batch": batch,
+                "steps": 2 * steps_per_epoch,
+                "fp32": args.fp32,
+                "device": args.device,
+                "out": str(Path(tmp) / "out"),
+                "attn": args.attn_implementation,
+                "data": str(Path(tmp) / f"data-{batch}.json"),
+            }
             rows = make_mixed_rows(folder, steps_per_epoch * batch, longest)
             rows["behavior_logps"] = behavior_logps(folder, rows, spec)
             Path(spec["data"]).write_text(json.dumps(rows))
@@ -524,33 +620,64 @@ def mix_main(args, out: Path, started: float, argv) -> str:
     def rate(runs, tokens):  # the second epoch: every row once; median over the repetitions
         return statistics.median(tokens / sum(r["times"][steps_per_epoch:]) for r in runs)
 
-    header = ["batch", "rows", "tokens/epoch", "padded share TOPR", "padded share TOPR-grouped",
-              *(f"{n} tok/s" for n in MIX_TRAINERS), "TOPR-pf/SFT-pf", "TOPR-pf/TOPR", "TOPR-grouped/TOPR",
-              "mem TOPR-pf/TOPR"]
+    header = [
+        "batch",
+        "rows",
+        "tokens/epoch",
+        "padded share TOPR",
+        "padded share TOPR-grouped",
+        *(f"{n} tok/s" for n in MIX_TRAINERS),
+        "TOPR-pf/SFT-pf",
+        "TOPR-pf/TOPR",
+        "TOPR-grouped/TOPR",
+        "mem TOPR-pf/TOPR",
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for batch, tokens, runs in results:
         rates = {name: rate(r, tokens) for name, r in runs.items()}
         padded = {name: 1 - 2 * tokens / runs[name][0]["held_tokens"] for name in ("TOPR", "TOPR-grouped")}
         mem = {name: statistics.median(r["peak_mb"] for r in runs[name]) for name in ("TOPR", "TOPR-pf")}
-        cells = [batch, steps_per_epoch * batch, tokens, f"{padded['TOPR']:.0%}", f"{padded['TOPR-grouped']:.0%}",
-                 *(f"{rates[name]:.0f}" for name in MIX_TRAINERS), f"{rates['TOPR-pf'] / rates['SFT-pf']:.2f}",
-                 f"{rates['TOPR-pf'] / rates['TOPR']:.2f}", f"{rates['TOPR-grouped'] / rates['TOPR']:.2f}",
-                 f"{mem['TOPR-pf'] / mem['TOPR']:.2f}"]
+        cells = [
+            batch,
+            steps_per_epoch * batch,
+            tokens,
+            f"{padded['TOPR']:.0%}",
+            f"{padded['TOPR-grouped']:.0%}",
+            *(f"{rates[name]:.0f}" for name in MIX_TRAINERS),
+            f"{rates['TOPR-pf'] / rates['SFT-pf']:.2f}",
+            f"{rates['TOPR-pf'] / rates['TOPR']:.2f}",
+            f"{rates['TOPR-grouped'] / rates['TOPR']:.2f}",
+            f"{mem['TOPR-pf'] / mem['TOPR']:.2f}",
+        ]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     table = "\n".join(lines)
     precision = "bf16 autocast" if bf16(args.fp32, args.device) else "fp32"
     where = torch_device_name(args.device)
     precision += f", {args.attn_implementation} attention" * bool(args.attn_implementation)
-    title = (f"{ARCHS[arch]}, {precision}, {where}, prompt {PROMPT_TOKENS} tokens, completions of 4-{longest} tokens "
-             f"(log-uniform), {steps_per_epoch} steps an epoch, tokens/s over epoch 2 of 2, {args.reps} rep(s); "
-             f"{time.perf_counter() - t0:.0f} s in all")
+    title = (
+        f"{ARCHS[arch]}, {precision}, {where}, prompt {PROMPT_TOKENS} tokens, completions of 4-{longest} tokens "
+        f"(log-uniform), {steps_per_epoch} steps an epoch, tokens/s over epoch 2 of 2, {args.reps} rep(s); "
+        f"{time.perf_counter() - t0:.0f} s in all"
+    )
     report = f"{title}\n\n{table}"
     print(report)
     cells = [{"batch": batch, "tokens": tokens, "runs": runs} for batch, tokens, runs in results]
-    settings = {"arch": ARCHS[arch], "precision": precision, "device": where, "prompt_tokens": PROMPT_TOKENS,
-                "max_completion_tokens": longest, "steps_per_epoch": steps_per_epoch, "reps": args.reps}
-    save(out, {"results.json": {"title": title, "settings": settings, "cells": cells}, "table.md": report + "\n"},
-         script=__file__, argv=argv, started=started)
+    settings = {
+        "arch": ARCHS[arch],
+        "precision": precision,
+        "device": where,
+        "prompt_tokens": PROMPT_TOKENS,
+        "max_completion_tokens": longest,
+        "steps_per_epoch": steps_per_epoch,
+        "reps": args.reps,
+    }
+    save(
+        out,
+        {"results.json": {"title": title, "settings": settings, "cells": cells}, "table.md": report + "\n"},
+        script=__file__,
+        argv=argv,
+        started=started,
+    )
     return table
 
 

@@ -1,9 +1,9 @@
 """Learning from one fixed offline dataset: TOPR against its family (REINFORCE, TIS, positives-only SFT, PPO-clip,
 per-token TOPR, a target_positive_fraction sweep) and TRL's KTOTrainer and DPOTrainer, on identical rows.
 
-    python benchmarks/learning.py --scale fast            # tiny Llama on a synthetic task, 3 seeds: minutes on 2 CPU cores
-    python benchmarks/learning.py --scale real            # SmolLM2-135M-Instruct, arithmetic: about an hour on 2 CPU cores
-    python benchmarks/learning.py --scale fast --quick    # smoke run: every method, one short epoch (tests/test_benchmarks.py)
+    python benchmarks/learning.py --scale fast          # tiny Llama, synthetic task, 3 seeds: minutes on 2 CPU cores
+    python benchmarks/learning.py --scale real          # SmolLM2-135M-Instruct, arithmetic: an hour on 2 CPU cores
+    python benchmarks/learning.py --scale fast --quick  # smoke run: every method, one short epoch (test_benchmarks.py)
 
 1. Behavior policy mu. fast: a tiny Llama (conftest's tokenizer) trained briefly with SFT to reverse 4 digits
    ("rev 3 9 1 4 =" -> " 4 1 9 3"), stopped at a middling accuracy (~15% of its samples correct: imbalanced data).
@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 import statistics
 import sys
 import tempfile
@@ -32,6 +31,8 @@ import time
 from pathlib import Path
 
 from provenance import save
+from tasks import PRETRAIN_ROWS, pretrain_reverser, reversal_answer, reversal_reward, reversal_rows
+
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -54,68 +55,36 @@ METHODS = {
 }
 SCALES = {
     # prompts: training prompts (x num_samples rows), eval: held-out prompts, k: samples per eval prompt
-    "fast": {"prompts": 128, "num_samples": 8, "eval": 128, "k": 4, "epochs": 6, "seeds": 3, "lr": 1e-4, "batch": 16,
-             "max_new_tokens": 12, "bf16": False},
-    "real": {"prompts": 20, "num_samples": 8, "eval": 48, "k": 2, "epochs": 2, "seeds": 1, "lr": 2e-5, "batch": 8,
-             "max_new_tokens": 32, "bf16": False},  # float32, as its committed run
+    "fast": {
+        "prompts": 128,
+        "num_samples": 8,
+        "eval": 128,
+        "k": 4,
+        "epochs": 6,
+        "seeds": 3,
+        "lr": 1e-4,
+        "batch": 16,
+        "max_new_tokens": 12,
+        "bf16": False,
+    },
+    "real": {
+        "prompts": 20,
+        "num_samples": 8,
+        "eval": 48,
+        "k": 2,
+        "epochs": 2,
+        "seeds": 1,
+        "lr": 2e-5,
+        "batch": 8,
+        "max_new_tokens": 32,
+        "bf16": False,
+    },  # float32, as its committed run
 }
 QUICK = {"prompts": 16, "num_samples": 4, "eval": 4, "k": 1, "epochs": 1, "seeds": 1, "batch": 4}
 PROBE_ROWS = 64  # positive and negative training rows whose log-probs are tracked
-PRETRAIN_ROWS = 2048  # SFT rows of the fast scale's behavior policy
 
 
-# ---------------------------------------------------------------------------------------------------------------- tasks
-def reversal_rows(numbers: list[int]) -> list[dict]:
-    """Reversal prompts of 4-digit strings ("rev 0 3 9 1 =" -> "1 9 3 0"), one per number in [0, 10000)."""
-    rows = []
-    for number in numbers:
-        digits = list(f"{number:04d}")
-        rows.append({"prompt": "rev " + " ".join(digits) + " =", "answer": " ".join(reversed(digits))})
-    return rows
-
-
-def reversal_answer(text: str) -> str | None:
-    """The four digits of a reversal completion, or None when it is not four single digits (invalid)."""
-    tokens = text.split()
-    return " ".join(tokens) if len(tokens) == 4 and all(len(t) == 1 and t.isdigit() for t in tokens) else None
-
-
-def reversal_reward(prompts, completions, answer, **kwargs) -> list[float]:
-    return [1.0 if reversal_answer(c) == a else -1.0 for c, a in zip(completions, answer)]
-
-
-def pretrain_reverser(folder: str, numbers: list[int]) -> str:
-    """A tiny Llama that reverses 4 digits at a middling accuracy: the fast scale's behavior policy. The task is learnt
-    abruptly: on held-out strings, 120 SFT steps give 36% greedy / 4% sampled accuracy, 130 steps 66% / 15%, 160 steps
-    100% / 74%. Built in a folder of its own and moved to `folder` once trained, so that an interrupted build, or two
-    calls building it at once, never leave an untrained model there; where `folder` exists, it is kept (the build is
-    seeded: the same model)."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import build_tiny_model
-    from datasets import Dataset
-    from transformers import PrinterCallback
-    from trl import SFTConfig, SFTTrainer
-
-    partial = Path(f"{folder}.partial-{os.getpid()}")
-    build_tiny_model(str(partial), hidden_size=64)
-    rows = reversal_rows(numbers)
-    data = Dataset.from_list([{"prompt": r["prompt"], "completion": " " + r["answer"]} for r in rows])
-    args = SFTConfig(output_dir=str(partial / "sft"), use_cpu=True, bf16=False, report_to="none", seed=0,
-                     max_steps=130, per_device_train_batch_size=32, learning_rate=3e-3, save_strategy="no",
-                     logging_steps=10**6, activation_checkpointing=False, disable_tqdm=True)
-    trainer = SFTTrainer(str(partial), args=args, train_dataset=data)
-    trainer.remove_callback(PrinterCallback)
-    trainer.train()
-    trainer.save_model(str(partial))
-    try:
-        partial.rename(folder)
-    except OSError:  # another call moved its model there first
-        shutil.rmtree(partial)
-        if not (Path(folder) / "model.safetensors").exists():
-            raise
-    return folder
-
-
+# ---------------------------------------------------------------------------------------------------------------- task
 def setup(scale: str, work: str, quick: bool) -> dict:
     """Behavior model, held-out prompts and task functions of a scale."""
     from datasets import Dataset
@@ -130,32 +99,44 @@ def setup(scale: str, work: str, quick: bool) -> dict:
         held_out = reversal_rows(numbers[PRETRAIN_ROWS + settings["prompts"] :])
         task = {"reward": reversal_reward, "answer": reversal_answer, "description": "reverse 4 digits"}
     else:
-        sys.path.insert(0, str(ROOT / "recipes"))
-        from gsm8k import arithmetic_problems, few_shot_prompts
-
-        from trl_topr.rewards import extract_final_answer, gsm8k_reward
         from trl_topr.embedded import smollm2_path
+        from trl_topr.rewards import extract_final_answer, gsm8k_reward
+        from trl_topr.tasks import arithmetic_problems, few_shot_prompts
 
         # the README's embedded task: its 160 training and 83 test questions, its one-shot prompt
         model, problems = smollm2_path(), arithmetic_problems(0)
         train = list(few_shot_prompts(problems[1 : 1 + settings["prompts"]], problems[:1]))
         held_out = list(few_shot_prompts(problems[160 : 160 + settings["eval"]], problems[:1]))
-        task = {"reward": gsm8k_reward, "answer": extract_final_answer,
-                "description": "single-digit 'What is a op b?' (op in + - *), one-shot"}
+        task = {
+            "reward": gsm8k_reward,
+            "answer": extract_final_answer,
+            "description": "single-digit 'What is a op b?' (op in + - *), one-shot",
+        }
     return dict(settings, model=model, train=Dataset.from_list(train), held_out=Dataset.from_list(held_out), **task)
 
 
-# ------------------------------------------------------------------------------------------------------------- training
+# ------------------------------------------------------------------------------------------------------------- trainin
 def common_args(setting: dict, out: str, seed: int) -> dict:
-    from trl_topr.config import CHECKPOINTING  # the name of the transformers installed
+    from trl_topr.compat import CHECKPOINTING  # the name of the transformers installed
     from trl_topr.precision import resolve_bf16  # the library's rule, the same for every trainer compared
 
     return {
-        "output_dir": out, "use_cpu": True, "bf16": resolve_bf16(setting["bf16"], use_cpu=True), "report_to": "none",
+        "output_dir": out,
+        "use_cpu": True,
+        "bf16": resolve_bf16(setting["bf16"], use_cpu=True),
+        "report_to": "none",
         "seed": seed,
-        "learning_rate": setting["lr"], "lr_scheduler_type": "constant", "warmup_steps": 0, "weight_decay": 0.0,
-        "max_grad_norm": 1.0, "per_device_train_batch_size": setting["batch"], "num_train_epochs": setting["epochs"],
-        "logging_steps": 10**6, "save_strategy": "no", CHECKPOINTING: False, "disable_tqdm": True,
+        "learning_rate": setting["lr"],
+        "lr_scheduler_type": "constant",
+        "warmup_steps": 0,
+        "weight_decay": 0.0,
+        "max_grad_norm": 1.0,
+        "per_device_train_batch_size": setting["batch"],
+        "num_train_epochs": setting["epochs"],
+        "logging_steps": 10**6,
+        "save_strategy": "no",
+        CHECKPOINTING: False,
+        "disable_tqdm": True,
         "dataloader_num_workers": 0,
     }
 
@@ -175,8 +156,12 @@ def dpo_pairs(data):
     for row in data:
         key = json.dumps(row["prompt"])
         by_prompt.setdefault(key, ([], [], row["prompt"]))[0 if row["reward"] > 0 else 1].append(row["completion"])
-    pairs = [{"prompt": prompt, "chosen": pos[i % len(pos)], "rejected": neg_}
-             for pos, neg, prompt in by_prompt.values() if pos and neg for i, neg_ in enumerate(neg)]
+    pairs = [
+        {"prompt": prompt, "chosen": pos[i % len(pos)], "rejected": neg_}
+        for pos, neg, prompt in by_prompt.values()
+        if pos and neg
+        for i, neg_ in enumerate(neg)
+    ]
     if not pairs:
         raise ValueError("DPO needs a prompt with both a correct and an incorrect completion; the dataset has none.")
     return Dataset.from_list(pairs)
@@ -190,7 +175,9 @@ def make_trainer(method: str, setting: dict, data, out: str, seed: int):
     kw = common_args(setting, out, seed)
     if method == "kto":
         rows, desirable_weight = kto_rows(data)
-        return KTOTrainer(setting["model"], args=KTOConfig(desirable_weight=desirable_weight, **kw), train_dataset=rows)
+        return KTOTrainer(
+            setting["model"], args=KTOConfig(desirable_weight=desirable_weight, **kw), train_dataset=rows
+        )
     if method == "dpo":
         return DPOTrainer(setting["model"], args=DPOConfig(**kw), train_dataset=dpo_pairs(data))
     return TOPRTrainer(setting["model"], args=TOPRConfig(**METHODS[method], **kw), train_dataset=data)
@@ -204,11 +191,16 @@ class Probe:
 
         rewards = data["reward"]
         rows = [i for i, r in enumerate(rewards) if r > 0][:PROBE_ROWS] + [i for i, r in enumerate(rewards) if r <= 0][
-            :PROBE_ROWS]
-        scorer = TOPRTrainer(setting["model"], args=TOPRConfig(**common_args(setting, out, 0)), train_dataset=data.select(rows))
+            :PROBE_ROWS
+        ]
+        scorer = TOPRTrainer(
+            setting["model"], args=TOPRConfig(**common_args(setting, out, 0)), train_dataset=data.select(rows)
+        )
         dataset = scorer.train_dataset
-        self.batches = [scorer.data_collator([dataset[j] for j in range(i, min(i + 16, len(dataset)))])
-                        for i in range(0, len(dataset), 16)]
+        self.batches = [
+            scorer.data_collator([dataset[j] for j in range(i, min(i + 16, len(dataset)))])
+            for i in range(0, len(dataset), 16)
+        ]
 
     def __call__(self, model) -> dict:
         import torch
@@ -226,17 +218,28 @@ class Probe:
                 for value, positive in zip((logps * mask).sum(-1).tolist(), (batch["rewards"] > 0).tolist()):
                     sums[positive].append(value)
         model.train(was_training)
-        mean = lambda v: sum(v) / len(v) if v else float("nan")
+
+        def mean(v: list[float]) -> float:
+            return sum(v) / len(v) if v else float("nan")
+
         return {"logp_positive": mean(sums[True]), "logp_negative": mean(sums[False])}
 
 
 def evaluate(model, tokenizer, setting: dict, probe: Probe, seed: int) -> dict:
     from trl_topr import evaluate_policy
+    from trl_topr.generation import SamplingSettings
 
+    sampling = SamplingSettings(
+        num_samples=setting["k"],
+        temperature=1.0,
+        top_k=0,
+        max_new_tokens=setting["max_new_tokens"],
+        batch_size=32,
+        seed=seed,
+    )
     metrics = evaluate_policy(
-        model, tokenizer, setting["held_out"], setting["reward"], setting["answer"], num_samples=setting["k"],
-        temperature=1.0, top_k=0, max_new_tokens=setting["max_new_tokens"], batch_size=32, seed=seed, progress=False,
-    )  # fmt: skip
+        model, tokenizer, setting["held_out"], setting["reward"], setting["answer"], sampling, progress=False
+    )
     return {**metrics, **probe(model)}
 
 
@@ -259,9 +262,15 @@ def run_method(method: str, setting: dict, data, probe: Probe, seed: int, work: 
 
 
 # -------------------------------------------------------------------------------------------------------------- report
-COLUMNS = [("pass@1_greedy", "greedy"), ("pass@1", "sampled"), ("invalid_rate", "invalid"),
-           ("truncated_rate", "truncated"), ("mean_length", "length"), ("logp_positive", "log pi(+)"),
-           ("logp_negative", "log pi(-)")]
+COLUMNS = [
+    ("pass@1_greedy", "greedy"),
+    ("pass@1", "sampled"),
+    ("invalid_rate", "invalid"),
+    ("truncated_rate", "truncated"),
+    ("mean_length", "length"),
+    ("logp_positive", "log pi(+)"),
+    ("logp_negative", "log pi(-)"),
+]
 
 
 def summarize(results: dict) -> str:
@@ -278,16 +287,29 @@ def summarize(results: dict) -> str:
 
     mu = results["methods"]["mu"][0][0]
     topr_final = statistics.fmean(run[-1]["pass@1_greedy"] for run in results["methods"]["topr"])
-    header = ["method", *[f"greedy e{e + 1}" for e in range(epochs)], *[name for _, name in COLUMNS[1:]], "Δ greedy vs topr"]
+    header = [
+        "method",
+        *[f"greedy e{e + 1}" for e in range(epochs)],
+        *[name for _, name in COLUMNS[1:]],
+        "Δ greedy vs topr",
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines.append("| mu (epoch 0) | " + " | ".join([f"{mu['pass@1_greedy']:.3f}"] + [""] * (epochs - 1)) + " | "
-                 + " | ".join(f"{mu[k]:.{1 if k.startswith(('logp', 'mean')) else 3}f}" for k, _ in COLUMNS[1:]) + " | |")
+    lines.append(
+        "| mu (epoch 0) | "
+        + " | ".join([f"{mu['pass@1_greedy']:.3f}"] + [""] * (epochs - 1))
+        + " | "
+        + " | ".join(f"{mu[k]:.{1 if k.startswith(('logp', 'mean')) else 3}f}" for k, _ in COLUMNS[1:])
+        + " | |"
+    )
     for method in methods:
         runs = results["methods"][method]
         final = statistics.fmean(run[-1]["pass@1_greedy"] for run in runs)
-        cells = [method, *[stat(runs, e, "pass@1_greedy") for e in range(epochs)],
-                 *[stat(runs, -1, k, 1 if k.startswith(("logp", "mean")) else 3) for k, _ in COLUMNS[1:]],
-                 f"{final - topr_final:+.3f}"]
+        cells = [
+            method,
+            *[stat(runs, e, "pass@1_greedy") for e in range(epochs)],
+            *[stat(runs, -1, k, 1 if k.startswith(("logp", "mean")) else 3) for k, _ in COLUMNS[1:]],
+            f"{final - topr_final:+.3f}",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + f"\n\n{seeds} seed(s); columns after greedy e{epochs}: last epoch."
 
@@ -298,9 +320,12 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("pass@1_greedy", "held-out greedy pass@1"), ("invalid_rate", "invalid rate (samples)"),
-              ("logp_positive", "log pi of positive train completions"),
-              ("logp_negative", "log pi of negative train completions")]
+    panels = [
+        ("pass@1_greedy", "held-out greedy pass@1"),
+        ("invalid_rate", "invalid rate (samples)"),
+        ("logp_positive", "log pi of positive train completions"),
+        ("logp_negative", "log pi of negative train completions"),
+    ]
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
     mu = results["methods"]["mu"][0][0]
     for method, runs in results["methods"].items():
@@ -327,19 +352,26 @@ def main(argv=None) -> str:
     parser.add_argument("--seeds", type=int, help="training seeds (default: 3 fast, 1 real)")
     parser.add_argument("--epochs", type=int, help="epochs over the dataset")
     parser.add_argument("--lr", type=float, help="learning rate (default: 1e-4 fast, 2e-5 real)")
-    parser.add_argument("--out", help="output folder (default: benchmarks/results/learning-<scale>, "
-                                      "outputs/learning-<scale>-quick with --quick)")
+    parser.add_argument(
+        "--out",
+        help="output folder (default: benchmarks/results/learning-<scale>, "
+        "outputs/learning-<scale>-quick with --quick)",
+    )
     args = parser.parse_args(argv)
     if "topr" not in args.methods:
         args.methods.insert(0, "topr")  # the reference of the comparison
-    out = Path(args.out or ROOT / (f"outputs/learning-{args.scale}-quick" if args.quick
-                                   else f"benchmarks/results/learning-{args.scale}"))  # fmt: skip
+    out = Path(
+        args.out
+        or ROOT
+        / (f"outputs/learning-{args.scale}-quick" if args.quick else f"benchmarks/results/learning-{args.scale}")
+    )
     started = time.time()
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trl_topr import TOPRConfig, sample_completions
+    from trl_topr.generation import SamplingSettings
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as work:
@@ -348,18 +380,31 @@ def main(argv=None) -> str:
         setting["epochs"] = args.epochs or setting["epochs"]
         setting["lr"] = args.lr or setting["lr"]
         data = sample_completions(
-            setting["model"], setting["train"], {"correct": setting["reward"]}, num_samples=setting["num_samples"],
-            temperature=1.0, top_k=0, max_new_tokens=setting["max_new_tokens"], seed=0, batch_size=32,
-            args=TOPRConfig(**common_args(setting, str(Path(work) / "sample"), 0)), progress=False,
-        )  # fmt: skip
+            setting["model"],
+            setting["train"],
+            {"correct": setting["reward"]},
+            args=TOPRConfig(**common_args(setting, str(Path(work) / "sample"), 0)),
+            progress=False,
+            sampling=SamplingSettings(
+                num_samples=setting["num_samples"],
+                temperature=1.0,
+                top_k=0,
+                max_new_tokens=setting["max_new_tokens"],
+                seed=0,
+                batch_size=32,
+            ),
+        )
         # the sampled ids too: the per-token behavior log-probs cover them, and TOPRTrainer trains them exactly
         data = data.select_columns(
             ["prompt", "completion", "reward", "behavior_logps", "prompt_ids", "completion_ids"]
         )
         positives = sum(r > 0 for r in data["reward"])
         sampled_s = time.perf_counter() - t0
-        print(f"dataset: {len(data)} rows, {positives} positive ({positives / len(data):.1%}); "
-              f"{sampled_s:.0f} s", file=sys.stderr, flush=True)
+        print(
+            f"dataset: {len(data)} rows, {positives} positive ({positives / len(data):.1%}); {sampled_s:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
 
         probe = Probe(setting, data, str(Path(work) / "probe"))
         tokenizer = AutoTokenizer.from_pretrained(setting["model"])
@@ -372,22 +417,33 @@ def main(argv=None) -> str:
                 results["methods"][method].append(run_method(method, setting, data, probe, seed, work))
                 out.mkdir(parents=True, exist_ok=True)
                 (out / "results.json").write_text(json.dumps(results, indent=1))  # partial, rewritten at the end
-                print(f"{method} seed {seed}: greedy "
-                      + " ".join(f"{e['pass@1_greedy']:.3f}" for e in results["methods"][method][-1])
-                      + f" ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+                print(
+                    f"{method} seed {seed}: greedy "
+                    + " ".join(f"{e['pass@1_greedy']:.3f}" for e in results["methods"][method][-1])
+                    + f" ({time.perf_counter() - t0:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     model_name = "tiny Llama (SFT'd reverser)" if args.scale == "fast" else "SmolLM2-135M-Instruct"
-    results["title"] = (f"{model_name}, {setting['description']}: {len(data)} rows from mu "
-                        f"({positives / len(data):.1%} positive), {setting['epochs']} epochs, lr {setting['lr']}, "
-                        f"batch {setting['batch']}")
+    results["title"] = (
+        f"{model_name}, {setting['description']}: {len(data)} rows from mu "
+        f"({positives / len(data):.1%} positive), {setting['epochs']} epochs, lr {setting['lr']}, "
+        f"batch {setting['batch']}"
+    )
     results["settings"] = {k: v for k, v in setting.items() if isinstance(v, (int, float, str, bool)) and k != "model"}
     results["dataset"] = {"rows": len(data), "positives": positives}
     results["seconds"] = round(time.perf_counter() - t0)
     table = summarize(results)
     out.mkdir(parents=True, exist_ok=True)
     plot(results, out / "learning.png")
-    save(out, {"results.json": results, "table.md": f"{results['title']}; {results['seconds']} s in all\n\n{table}\n"},
-         script=__file__, argv=argv, started=started)
+    save(
+        out,
+        {"results.json": results, "table.md": f"{results['title']}; {results['seconds']} s in all\n\n{table}\n"},
+        script=__file__,
+        argv=argv,
+        started=started,
+    )
     print(f"{results['title']}; {results['seconds']} s in all\n")
     print(table)
     return table

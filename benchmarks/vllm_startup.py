@@ -1,5 +1,5 @@
-"""vLLM on CPU: start-up and generation of a colocated engine, compiled (vLLM's default) against eager (`enforce_eager`,
-trl-topr's default on CPU), side by side.
+"""vLLM on CPU: start-up and generation of a colocated engine, compiled (vLLM's default) against eager
+(`enforce_eager`, trl-topr's default on CPU), side by side.
 
     python benchmarks/vllm_startup.py            # SmolLM2-135M-Instruct, in vLLM's environment: ~10 min
     python benchmarks/vllm_startup.py --quick    # 8 prompts x 2 samples, 16 new tokens, 1 repetition: ~3 min
@@ -35,13 +35,11 @@ def worker(arm: str, quick: bool, out: str) -> None:
     """One run of one arm in this process: start-up, the first generation, a second one; JSON to `out`."""
     started = time.perf_counter()
     import torch
+    from sampling import prompts_and_model  # the README's one-shot arithmetic prompts (vLLM's CPU attention does not
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trl_topr import TOPRConfig
     from trl_topr.generation import SamplingSettings, VLLMEngine, prompt_ids
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from sampling import prompts_and_model  # the README's one-shot arithmetic prompts (vLLM's CPU attention does not
     # take the tests' tiny Llama: its heads are too small)
 
     with tempfile.TemporaryDirectory() as work:
@@ -49,8 +47,15 @@ def worker(arm: str, quick: bool, out: str) -> None:
         prompts = prompts[:8] if quick else prompts
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        args = TOPRConfig(output_dir=work, use_cpu=True, bf16=False, report_to="none", use_vllm=True,
-                          vllm_max_model_length=1024, vllm_enforce_eager=ARMS[arm])  # fmt: skip
+        args = TOPRConfig(
+            output_dir=work,
+            use_cpu=True,
+            bf16=False,
+            report_to="none",
+            use_vllm=True,
+            vllm_max_model_length=1024,
+            vllm_enforce_eager=ARMS[arm],
+        )
         loaded = time.perf_counter()
         engine = VLLMEngine.from_config(model, tokenizer, args)
         up = time.perf_counter()
@@ -62,13 +67,22 @@ def worker(arm: str, quick: bool, out: str) -> None:
         second_done = time.perf_counter()
         engine.close()
     tokens = [sum(map(len, run.completion_ids)) for run in (first, second)]
-    Path(out).write_text(json.dumps({
-        "arm": arm, "imports_and_model_s": loaded - started, "start_up_s": up - loaded,
-        "first_generation_s": first_done - up, "second_generation_s": second_done - first_done,
-        "first_tokens": tokens[0], "second_tokens": tokens[1],
-        "first_tokens_per_s": tokens[0] / (first_done - up), "second_tokens_per_s": tokens[1] / (second_done - first_done),
-        "to_first_samples_s": first_done - loaded,
-    }))  # fmt: skip
+    Path(out).write_text(
+        json.dumps(
+            {
+                "arm": arm,
+                "imports_and_model_s": loaded - started,
+                "start_up_s": up - loaded,
+                "first_generation_s": first_done - up,
+                "second_generation_s": second_done - first_done,
+                "first_tokens": tokens[0],
+                "second_tokens": tokens[1],
+                "first_tokens_per_s": tokens[0] / (first_done - up),
+                "second_tokens_per_s": tokens[1] / (second_done - first_done),
+                "to_first_samples_s": first_done - loaded,
+            }
+        )
+    )
 
 
 def run_arm(arm: str, quick: bool, cache: str) -> dict:
@@ -77,8 +91,14 @@ def run_arm(arm: str, quick: bool, cache: str) -> dict:
         with socket.socket() as probe:  # a free port for the engine's one-process torch.distributed group
             probe.bind(("127.0.0.1", 0))
             port = str(probe.getsockname()[1])
-        env = {**os.environ, "VLLM_CACHE_ROOT": cache, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        env = {
+            **os.environ,
+            "VLLM_CACHE_ROOT": cache,
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+        }
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(os.cpu_count() - 1, 0)}")
         argv = [sys.executable, __file__, "--worker", arm, "--result", str(out)] + (["--quick"] if quick else [])
         result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1800)
@@ -91,7 +111,9 @@ def main(argv=None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="8 prompts x 2 samples, 16 new tokens (smoke run)")
     parser.add_argument("--reps", type=int, default=2, help="repetitions of each arm, alternating")
-    parser.add_argument("--out", help="results folder (default: benchmarks/results/vllm-startup, outputs/ with --quick)")
+    parser.add_argument(
+        "--out", help="results folder (default: benchmarks/results/vllm-startup, outputs/ with --quick)"
+    )
     parser.add_argument("--worker", choices=list(ARMS), help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -115,19 +137,31 @@ def main(argv=None) -> str:
         rows.append(("compiled, warm compile cache (later repetitions)", "compiled", slice(1, None)))
     rows.append(("eager (`vllm_enforce_eager`, the CPU default)", "eager", slice(None)))
     eager_first = cell("eager", "to_first_samples_s")
-    lines = ["| engine | start-up s | first generation s | to the first samples s | ratio to eager | "
-             "first / steady generation tokens/s |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| engine | start-up s | first generation s | to the first samples s | ratio to eager | "
+        "first / steady generation tokens/s |",
+        "|---|---|---|---|---|---|",
+    ]
     for label, arm, reps in rows:
         to_first = cell(arm, "to_first_samples_s", reps)
-        lines.append(f"| {label} | {cell(arm, 'start_up_s', reps):.1f} | {cell(arm, 'first_generation_s', reps):.1f} | "
-                     f"{to_first:.1f} | {to_first / eager_first:.2f} | {cell(arm, 'first_tokens_per_s', reps):.0f} / "
-                     f"{cell(arm, 'second_tokens_per_s', reps):.0f} |")  # fmt: skip
-    workload = (f"SmolLM2-135M-Instruct, float32, {8 if args.quick else 32} one-shot arithmetic prompts x "
-                f"{2 if args.quick else 4} samples, {16 if args.quick else 128} new tokens")
+        lines.append(
+            f"| {label} | {cell(arm, 'start_up_s', reps):.1f} | {cell(arm, 'first_generation_s', reps):.1f} | "
+            f"{to_first:.1f} | {to_first / eager_first:.2f} | {cell(arm, 'first_tokens_per_s', reps):.0f} / "
+            f"{cell(arm, 'second_tokens_per_s', reps):.0f} |"
+        )
+    workload = (
+        f"SmolLM2-135M-Instruct, float32, {8 if args.quick else 32} one-shot arithmetic prompts x "
+        f"{2 if args.quick else 4} samples, {16 if args.quick else 128} new tokens"
+    )
     title = f"vLLM colocated on CPU, {workload}; medians of {args.reps} alternating fresh processes"
     table = "\n".join(lines)
-    save(out, {"results.json": {"workload": workload, "reps": args.reps, "runs": runs}, "table.md": f"{title}\n\n{table}\n"},
-         script=__file__, argv=argv, started=started)  # fmt: skip
+    save(
+        out,
+        {"results.json": {"workload": workload, "reps": args.reps, "runs": runs}, "table.md": f"{title}\n\n{table}\n"},
+        script=__file__,
+        argv=argv,
+        started=started,
+    )
     print(f"{title}\n\n{table}")
     return table
 

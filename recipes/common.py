@@ -1,42 +1,18 @@
-"""What the recipes share: the GSM8K-format problems (GSM8K itself or the offline arithmetic task) and their
-few-shot prompts, the per-round evaluation table, publishing to the Hub, and the progress messages. Each recipe
-imports this module, never another recipe."""
+"""What the recipes share: the GSM8K-format problems (GSM8K itself or the offline arithmetic task of
+`trl_topr.tasks`, with its few-shot prompts), the per-round evaluation table, publishing to the Hub, and the progress
+messages. Each recipe imports this module, never another recipe."""
 
 import json
-import random
-import re
 from pathlib import Path
 
 import datasets
 import transformers
-from datasets import Dataset, load_dataset
+from datasets import load_dataset
 from huggingface_hub import HfApi
 
 from trl_topr import TOPRConfig
-from trl_topr.rewards import gold_answer
 from trl_topr.scripts.utils import show_messages
-
-
-INSTRUCTION = "Solve the problem step by step. End your response with 'The answer is N.' where N is the final number."
-
-
-def solution_text(answer_field: str) -> str:
-    """A GSM8K solution rewritten in the prompt's format: calculator annotations removed, "#### N" replaced by
-    "The answer is N."."""
-    reasoning = re.sub(r"<<[^>]*>>", "", answer_field.split("####")[0]).strip()
-    return f"{reasoning}\nThe answer is {gold_answer(answer_field)}."
-
-
-def arithmetic_problems(seed: int = 0) -> list[dict[str, str]]:
-    """All 243 single-digit `a op b` questions (op in + - *), shuffled, in GSM8K's question/answer format."""
-    problems = []
-    for a in range(1, 10):
-        for op, result in (("+", lambda x, y: x + y), ("-", lambda x, y: x - y), ("*", lambda x, y: x * y)):
-            for b in range(1, 10):
-                value = result(a, b)
-                problems.append({"question": f"What is {a} {op} {b}?", "answer": f"{a} {op} {b} = {value}\n#### {value}"})
-    random.Random(seed).shuffle(problems)
-    return problems
+from trl_topr.tasks import INSTRUCTION, arithmetic_problems, few_shot_prompts, solution_text  # noqa: F401
 
 
 def load_problems(script_args, seed: int) -> tuple[list[dict], list[dict]]:
@@ -53,22 +29,20 @@ def load_problems(script_args, seed: int) -> tuple[list[dict], list[dict]]:
     return list(data["train"]), list(data["test"])
 
 
-def few_shot_prompts(problems: list[dict], shots: list[dict]) -> Dataset:
-    """Conversational prompts: the worked examples as earlier turns, then the question; `answer` kept for scoring."""
-    context = []
-    for shot in shots:
-        context += [{"role": "user", "content": shot["question"]}, {"role": "assistant", "content": solution_text(shot["answer"])}]
-    rows = []
-    for problem in problems:
-        messages = [{"role": "system", "content": INSTRUCTION}, *context, {"role": "user", "content": problem["question"]}]
-        rows.append({"prompt": messages, "answer": problem["answer"]})
-    return Dataset.from_list(rows)
-
-
 def evaluation_table(rounds: list[dict]) -> str:
     """Markdown table of the per-round evaluation (round 0 is the initial model)."""
-    names = [n for n in ("pass@1_greedy", "pass@1", *[k for k in rounds[0] if k.startswith("maj@")], "invalid_rate",
-                         "reward", "effective_positive_fraction") if any(n in r for r in rounds)]
+    names = [
+        n
+        for n in (
+            "pass@1_greedy",
+            "pass@1",
+            *[k for k in rounds[0] if k.startswith("maj@")],
+            "invalid_rate",
+            "reward",
+            "effective_positive_fraction",
+        )
+        if any(n in r for r in rounds)
+    ]
     lines = ["| round | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for r in rounds:
         cells = [f"{r[n]:.3f}" if isinstance(r.get(n), float) else "" for n in names]
@@ -76,34 +50,63 @@ def evaluation_table(rounds: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def publish(folder: Path, rounds: list[dict], script_args, training_args: TOPRConfig,
-            title: str = "GSM8K evaluation per round", extra: str = "", commit_message: str = "TOPR on GSM8K") -> None:
+def publish(
+    folder: Path,
+    rounds: list[dict],
+    script_args,
+    training_args: TOPRConfig,
+    title: str = "GSM8K evaluation per round",
+    extra: str = "",
+    commit_message: str = "TOPR on GSM8K",
+) -> None:
     """Add the per-round evaluation (then `extra`, markdown ending in a blank line) and the recipe's settings to the
     model card, and upload the folder to the Hub."""
     card = folder / "README.md"
     settings = dict(vars(script_args))
-    settings.update({k: getattr(training_args, k) for k in ("loss_type", "ratio_level", "loss_normalization",
-                                                            "baseline", "target_positive_fraction", "learning_rate")})
+    settings.update(
+        {
+            k: getattr(training_args, k)
+            for k in (
+                "loss_type",
+                "ratio_level",
+                "loss_normalization",
+                "baseline",
+                "target_positive_fraction",
+                "learning_rate",
+            )
+        }
+    )
     card.write_text(
         card.read_text()
-        + f"\n## {title}\n\nRound 0 is the initial model.\n\n" + evaluation_table(rounds) + "\n\n" + extra
-        + "## Recipe settings\n\n```json\n" + json.dumps(settings, indent=2) + "\n```\n"
+        + f"\n## {title}\n\nRound 0 is the initial model.\n\n"
+        + evaluation_table(rounds)
+        + "\n\n"
+        + extra
+        + "## Recipe settings\n\n```json\n"
+        + json.dumps(settings, indent=2)
+        + "\n```\n"
     )
     if not training_args.push_to_hub:
         return
     repo_id = training_args.hub_model_id or Path(training_args.output_dir).name
     api = HfApi(token=training_args.hub_token)
     api.create_repo(repo_id, private=training_args.hub_private_repo, exist_ok=True)
-    api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message=commit_message,
-                      ignore_patterns=["samples.jsonl", "checkpoint-*", "adapter/*"])
+    api.upload_folder(
+        repo_id=repo_id,
+        folder_path=str(folder),
+        commit_message=commit_message,
+        ignore_patterns=["samples.jsonl", "checkpoint-*", "adapter/*"],
+    )
 
 
 def refuse_publishing_nothing(script_args, training_args: TOPRConfig) -> None:
     """Refuse `--push_to_hub` with `--num_rounds 0` before anything runs: evaluating alone trains no model to
     publish."""
     if training_args.push_to_hub and script_args.num_rounds == 0:
-        raise ValueError("--push_to_hub with --num_rounds 0: evaluating alone trains no model to publish. Drop "
-                         "--push_to_hub, or train at least one round.")  # fmt: skip
+        raise ValueError(
+            "--push_to_hub with --num_rounds 0: evaluating alone trains no model to publish. Drop "
+            "--push_to_hub, or train at least one round."
+        )
 
 
 def show_progress() -> None:

@@ -35,25 +35,29 @@ import time
 
 START = time.monotonic()  # before the imports: the elapsed time of the summary is the whole run's
 
-import trl_topr  # noqa: E402, F401  (first: it quiets the import-time notices of bitsandbytes and DeepSpeed)
-from dataclasses import dataclass, field  # noqa: E402
-from pathlib import Path  # noqa: E402
+import trl_topr  # noqa: F401  (first: it quiets the import-time notices of bitsandbytes and DeepSpeed)
 
-import transformers  # noqa: E402
-from common import (  # noqa: E402
+
+# isort: split
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import transformers
+from common import (
     arithmetic_problems,
-    refuse_publishing_nothing,
     evaluation_table,
     few_shot_prompts,
     load_problems,
     publish,
+    refuse_publishing_nothing,
     show_progress,
     solution_text,
 )
-from transformers import AutoTokenizer  # noqa: E402
-from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config  # noqa: E402
+from transformers import AutoTokenizer
+from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
-from trl_topr import (  # noqa: E402
+from trl_topr import (
     TOPRConfig,
     anna_karenina,
     extract_final_answer,
@@ -61,11 +65,11 @@ from trl_topr import (  # noqa: E402
     gsm8k_reward,
     run_topr_loop,
 )
-from trl_topr.embedded import smollm2_path  # noqa: E402
-from trl_topr.generation import SamplingSettings  # noqa: E402
-from trl_topr.precision import device_type  # noqa: E402
-from trl_topr.scripts.utils import set_model_init_kwargs  # noqa: E402
-from trl_topr.trainer import base_model_name  # noqa: E402
+from trl_topr.embedded import smollm2_path
+from trl_topr.generation import SamplingSettings
+from trl_topr.precision import device_type
+from trl_topr.scripts.utils import set_model_init_kwargs
+from trl_topr.trainer import base_model_name
 
 
 __all__ = ["arithmetic_problems", "few_shot_prompts", "main", "make_parser", "solution_text", "summary"]
@@ -77,11 +81,15 @@ class GSM8KArguments:
 
     task: str = field(
         default="gsm8k",
-        metadata={"help": "'gsm8k', or 'arithmetic': single-digit + - * questions in GSM8K format, generated "
-                  "offline (a task where small models have signal).", "choices": ["gsm8k", "arithmetic"]},
+        metadata={
+            "help": "'gsm8k', or 'arithmetic': single-digit + - * questions in GSM8K format, generated "
+            "offline (a task where small models have signal).",
+            "choices": ["gsm8k", "arithmetic"],
+        },
     )
     dataset_path: str | None = field(
-        default=None, metadata={"help": "Folder with GSM8K train.jsonl and test.jsonl; default: the Hub's openai/gsm8k."}
+        default=None,
+        metadata={"help": "Folder with GSM8K train.jsonl and test.jsonl; default: the Hub's openai/gsm8k."},
     )
     num_train_prompts: int | None = field(default=None, metadata={"help": "Training questions (default: all)."})
     num_eval_prompts: int | None = field(default=None, metadata={"help": "Test questions (default: all)."})
@@ -89,8 +97,10 @@ class GSM8KArguments:
     num_rounds: int = field(default=1, metadata={"help": "Rounds of sample / train / evaluate."})
     replay_rounds: int = field(
         default=0,
-        metadata={"help": "Off-policy replay: each round also trains on the rows of this many earlier rounds, with the "
-                  "behavior log-probs recorded when they were sampled (0: the paper's on-policy rounds)."},
+        metadata={
+            "help": "Off-policy replay: each round also trains on the rows of this many earlier rounds, with the "
+            "behavior log-probs recorded when they were sampled (0: the paper's on-policy rounds)."
+        },
     )
     num_samples: int = field(default=16, metadata={"help": "Samples per training question (the paper: 16)."})
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (the paper: 1)."})
@@ -101,8 +111,10 @@ class GSM8KArguments:
     eval_num_samples: int = field(default=16, metadata={"help": "k of maj@k and of the sampled pass@1."})
     curation: str = field(
         default="none",
-        metadata={"help": "'anna_karenina' keeps, per question, the first correct solution and all incorrect ones.",
-                  "choices": ["none", "anna_karenina"]},
+        metadata={
+            "help": "'anna_karenina' keeps, per question, the first correct solution and all incorrect ones.",
+            "choices": ["none", "anna_karenina"],
+        },
     )
 
 
@@ -120,8 +132,12 @@ def main(script_args: GSM8KArguments, training_args: TOPRConfig, model_args: Mod
     test_problems = test_problems[: script_args.num_eval_prompts]
 
     sampling = SamplingSettings(
-        num_samples=script_args.num_samples, temperature=script_args.temperature, top_p=script_args.top_p,
-        top_k=script_args.top_k, max_new_tokens=script_args.max_new_tokens, batch_size=script_args.sampling_batch_size,
+        num_samples=script_args.num_samples,
+        temperature=script_args.temperature,
+        top_p=script_args.top_p,
+        top_k=script_args.top_k,
+        max_new_tokens=script_args.max_new_tokens,
+        batch_size=script_args.sampling_batch_size,
     )
     rounds = run_topr_loop(
         model,
@@ -140,36 +156,52 @@ def main(script_args: GSM8KArguments, training_args: TOPRConfig, model_args: Mod
         quantization_config=get_quantization_config(model_args),
         sampling=sampling,
         eval_sampling=sampling.replace(num_samples=script_args.eval_num_samples, seed=training_args.seed),
-    )  # fmt: skip
+    )
     if training_args.process_index == 0:
         print(f"\nGSM8K ({script_args.task}) evaluation, round 0 = before training:\n\n{evaluation_table(rounds)}\n")
         if rounds[-1]["round"] > 0:  # `--num_rounds 0` evaluates only: there is no trained model to publish
-            publish(Path(training_args.output_dir) / f"round-{rounds[-1]['round']}", rounds, script_args, training_args)
-        print(summary(rounds, script_args, training_args, base_model_name(transformers.AutoConfig.from_pretrained(model)), len(test_problems)))
+            publish(
+                Path(training_args.output_dir) / f"round-{rounds[-1]['round']}", rounds, script_args, training_args
+            )
+        print(
+            summary(
+                rounds,
+                script_args,
+                training_args,
+                base_model_name(transformers.AutoConfig.from_pretrained(model)),
+                len(test_problems),
+            )
+        )
     return rounds
 
 
-def summary(rounds: list[dict], script_args: GSM8KArguments, training_args: TOPRConfig, model: str,
-            num_eval: int) -> str:
+def summary(
+    rounds: list[dict], script_args: GSM8KArguments, training_args: TOPRConfig, model: str, num_eval: int
+) -> str:
     """What was trained, the evaluation before and after, where the model and the plot are, and the elapsed time."""
     first, last = rounds[0], rounds[-1]
     trained = [r for r in rounds if r["round"] > 0]
     samples = sum(r["num_samples"] for r in trained)
     correct = sum(r["positive_fraction"] * r["num_samples"] for r in trained) / max(samples, 1)
     precision = "bf16" if training_args.bf16 else "fp32"
-    rows = [("pass@1, greedy", "pass@1_greedy"), (f"pass@1, {script_args.eval_num_samples} samples", "pass@1"),
-            (f"maj@{script_args.eval_num_samples}", f"maj@{script_args.eval_num_samples}"),
-            ("invalid rate", "invalid_rate")]
+    rows = [
+        ("pass@1, greedy", "pass@1_greedy"),
+        (f"pass@1, {script_args.eval_num_samples} samples", "pass@1"),
+        (f"maj@{script_args.eval_num_samples}", f"maj@{script_args.eval_num_samples}"),
+        ("invalid rate", "invalid_rate"),
+    ]
     minutes, seconds = divmod(round(time.monotonic() - START), 60)
     output = Path(training_args.output_dir)
     if not trained:  # `--num_rounds 0`
-        return "\n".join([
-            f"Evaluated {model} on {num_eval} held-out {script_args.task} questions, without training "
-            f"(--num_rounds 0), in {precision} on {device_type(training_args.use_cpu)}:",
-            *(f"  {label:<22}{first.get(key, float('nan')):>8.3f}" for label, key in rows),
-            f"Metrics: {output / 'metrics.jsonl'}",
-            f"Done in {minutes} min {seconds:02d} s.",
-        ])  # fmt: skip
+        return "\n".join(
+            [
+                f"Evaluated {model} on {num_eval} held-out {script_args.task} questions, without training "
+                f"(--num_rounds 0), in {precision} on {device_type(training_args.use_cpu)}:",
+                *(f"  {label:<22}{first.get(key, float('nan')):>8.3f}" for label, key in rows),
+                f"Metrics: {output / 'metrics.jsonl'}",
+                f"Done in {minutes} min {seconds:02d} s.",
+            ]
+        )
     lines = [
         f"Trained {model}",
         f"  with TOPR for {len(trained)} round(s) on {samples} sampled completions "
@@ -177,8 +209,10 @@ def summary(rounds: list[dict], script_args: GSM8KArguments, training_args: TOPR
         f"in {precision} on {device_type(training_args.use_cpu)}.",
         f"Evaluated on {num_eval} held-out questions:",
         f"  {'':<22}{'before':>8}{'after':>8}",
-        *(f"  {label:<22}{first.get(key, float('nan')):>8.3f}{last.get(key, float('nan')):>8.3f}"
-          for label, key in rows),
+        *(
+            f"  {label:<22}{first.get(key, float('nan')):>8.3f}{last.get(key, float('nan')):>8.3f}"
+            for label, key in rows
+        ),
         f"Model: {output / ('round-' + str(last['round']))}",
         f"Plot:  {output / 'metrics.png'}",
         f"Done in {minutes} min {seconds:02d} s.",

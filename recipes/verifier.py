@@ -32,20 +32,24 @@ import time
 
 START = time.monotonic()  # before the imports: the elapsed time of the summary is the whole run's
 
-import trl_topr  # noqa: E402, F401  (first: it quiets the import-time notices of bitsandbytes and DeepSpeed)
-import contextlib  # noqa: E402
-import json  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from pathlib import Path  # noqa: E402
+import trl_topr  # noqa: F401  (first: it quiets the import-time notices of bitsandbytes and DeepSpeed)
 
-import transformers  # noqa: E402
-from accelerate import PartialState  # noqa: E402
-from datasets import Dataset  # noqa: E402
-from common import few_shot_prompts, load_problems, publish, refuse_publishing_nothing, show_progress  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
-from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config  # noqa: E402
 
-from trl_topr import (  # noqa: E402
+# isort: split
+
+import contextlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import transformers
+from accelerate import PartialState
+from common import few_shot_prompts, load_problems, publish, refuse_publishing_nothing, show_progress
+from datasets import Dataset
+from transformers import AutoTokenizer
+from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
+
+from trl_topr import (
     TOPRConfig,
     best_of_n,
     extract_final_answer,
@@ -57,14 +61,14 @@ from trl_topr import (  # noqa: E402
     verifier_reward,
     weighted_vote,
 )
-from trl_topr.data import completion_text  # noqa: E402
-from trl_topr.embedded import smollm2_path  # noqa: E402
-from trl_topr.generation import GenerationEngine, SamplingSettings, generation_engine, prompt_ids  # noqa: E402
-from trl_topr.precision import device_type  # noqa: E402
-from trl_topr.rewards import answers_match, gold_answer  # noqa: E402
-from trl_topr.sampling import decode_completions  # noqa: E402
-from trl_topr.scripts.utils import set_model_init_kwargs  # noqa: E402
-from trl_topr.trainer import base_model_name  # noqa: E402
+from trl_topr.data import completion_text
+from trl_topr.embedded import smollm2_path
+from trl_topr.generation import GenerationEngine, SamplingSettings, generation_engine, prompt_ids
+from trl_topr.precision import device_type
+from trl_topr.rewards import answers_match, gold_answer
+from trl_topr.sampling import decode_completions
+from trl_topr.scripts.utils import set_model_init_kwargs
+from trl_topr.trainer import base_model_name
 
 
 SOLUTIONS_FILE = "solutions.json"
@@ -77,8 +81,10 @@ class VerifierArguments:
 
     task: str = field(
         default="gsm8k",
-        metadata={"help": "'gsm8k', or 'arithmetic': single-digit + - * questions in GSM8K format, generated offline.",
-                  "choices": ["gsm8k", "arithmetic"]},
+        metadata={
+            "help": "'gsm8k', or 'arithmetic': single-digit + - * questions in GSM8K format, generated offline.",
+            "choices": ["gsm8k", "arithmetic"],
+        },
     )
     dataset_path: str | None = field(
         default=None, metadata={"help": "Folder with GSM8K train.jsonl and test.jsonl; default: openai/gsm8k."}
@@ -103,16 +109,28 @@ class VerifierArguments:
     sampling_batch_size: int = field(default=16, metadata={"help": "Prompts per generation batch."})
 
 
-def sampling_settings(script_args: VerifierArguments, num_samples: int, max_new_tokens: int,
-                      seed: int | None = None) -> SamplingSettings:  # fmt: skip
+def sampling_settings(
+    script_args: VerifierArguments, num_samples: int, max_new_tokens: int, seed: int | None = None
+) -> SamplingSettings:
     """The recipe's sampling settings, for `num_samples` completions of at most `max_new_tokens` tokens."""
-    return SamplingSettings(num_samples=num_samples, temperature=script_args.temperature, top_p=script_args.top_p,
-                            top_k=script_args.top_k, max_new_tokens=max_new_tokens,
-                            batch_size=script_args.sampling_batch_size, seed=seed)  # fmt: skip
+    return SamplingSettings(
+        num_samples=num_samples,
+        temperature=script_args.temperature,
+        top_p=script_args.top_p,
+        top_k=script_args.top_k,
+        max_new_tokens=max_new_tokens,
+        batch_size=script_args.sampling_batch_size,
+        seed=seed,
+    )
 
 
-def generate(model_paths: list[str], prompts: list, settings: SamplingSettings, training_args: TOPRConfig,
-             engine: GenerationEngine | None = None) -> list[list]:  # fmt: skip
+def generate(
+    model_paths: list[str],
+    prompts: list,
+    settings: SamplingSettings,
+    training_args: TOPRConfig,
+    engine: GenerationEngine | None = None,
+) -> list[list]:
     """Sampled completions of the same prompts by each model in turn (models sharing a tokenizer), with `engine`
     (given each next model's folder) or, without it, the engine `training_args` asks for, started for this call.
     Every process generates a share and gets all of them."""
@@ -128,23 +146,38 @@ def generate(model_paths: list[str], prompts: list, settings: SamplingSettings, 
     return outputs
 
 
-def sample_solutions(generator: str, problems: dict[str, list[dict]], shots: list[dict],
-                     script_args: VerifierArguments, training_args: TOPRConfig,
-                     engine: GenerationEngine | None = None) -> dict[str, list[dict]]:  # fmt: skip
+def sample_solutions(
+    generator: str,
+    problems: dict[str, list[dict]],
+    shots: list[dict],
+    script_args: VerifierArguments,
+    training_args: TOPRConfig,
+    engine: GenerationEngine | None = None,
+) -> dict[str, list[dict]]:
     """The generator's solutions to each split's problems, `num_solutions` each, with their answer and correctness:
-    rows `question`, `answer` (gold), `solution`, `predicted`, `correct`, `question_index` (with `engine`, if given)."""
+    rows `question`, `answer` (gold), `solution`, `predicted`, `correct`, `question_index` (with `engine`, if
+    given)."""
     n = script_args.num_solutions
     everything = [problem for split in problems.values() for problem in split]
     settings = sampling_settings(script_args, n, script_args.solution_max_new_tokens, seed=training_args.seed)
-    (completions,) = generate([generator], list(few_shot_prompts(everything, shots)["prompt"]), settings, training_args,
-                              engine)  # fmt: skip
+    (completions,) = generate(
+        [generator], list(few_shot_prompts(everything, shots)["prompt"]), settings, training_args, engine
+    )
     golds = [problem["answer"] for problem in everything for _ in range(n)]
     rewards = gsm8k_reward(None, completions, answer=golds)
     rows = []
     for i, (completion, gold, reward) in enumerate(zip(completions, golds, rewards)):
         text = completion_text(completion)
-        rows.append({"question": everything[i // n]["question"], "answer": gold, "solution": text,
-                     "predicted": extract_final_answer(text), "correct": reward > 0, "question_index": i // n})
+        rows.append(
+            {
+                "question": everything[i // n]["question"],
+                "answer": gold,
+                "solution": text,
+                "predicted": extract_final_answer(text),
+                "correct": reward > 0,
+                "question_index": i // n,
+            }
+        )
     solutions, start = {}, 0
     for split, split_problems in problems.items():
         solutions[split] = rows[start * n : (start + len(split_problems)) * n]
@@ -152,8 +185,13 @@ def sample_solutions(generator: str, problems: dict[str, list[dict]], shots: lis
     return solutions
 
 
-def verifier_scores(model_paths: list[str], prompts: Dataset, script_args: VerifierArguments,
-                    training_args: TOPRConfig, engine: GenerationEngine | None = None) -> list[list[float]]:
+def verifier_scores(
+    model_paths: list[str],
+    prompts: Dataset,
+    script_args: VerifierArguments,
+    training_args: TOPRConfig,
+    engine: GenerationEngine | None = None,
+) -> list[list[float]]:
     """Each solution's score by each verifier: the share of `eval_num_verdicts` sampled verdicts that say "correct"
     (sampled with `engine`, if given)."""
     k = script_args.eval_num_verdicts
@@ -208,40 +246,69 @@ def main(script_args: VerifierArguments, training_args: TOPRConfig, model_args: 
         if solutions_file.exists():  # a run started again: the same solutions, not new ones
             solutions = json.loads(solutions_file.read_text())
         else:  # every process generates a share and gets all of them
-            solutions = sample_solutions(generator, {"train": train_problems, "test": test_problems}, shots,
-                                         script_args, training_args, engine if generator == model else None)
+            solutions = sample_solutions(
+                generator,
+                {"train": train_problems, "test": test_problems},
+                shots,
+                script_args,
+                training_args,
+                engine if generator == model else None,
+            )
             if PartialState().is_main_process:
                 output_dir.mkdir(parents=True, exist_ok=True)
                 solutions_file.write_text(json.dumps(solutions))
         train_prompts, test_prompts = verifier_prompts(solutions["train"]), verifier_prompts(solutions["test"])
         rounds = run_topr_loop(
-            model, train_prompts, {"verdict": verifier_reward, "invalid": verifier_invalid}, training_args,
+            model,
+            train_prompts,
+            {"verdict": verifier_reward, "invalid": verifier_invalid},
+            training_args,
             num_rounds=script_args.num_rounds,
             reward_weights=[1.0, 0.0],  # `invalid` is a column, not part of the reward (an invalid verdict scores -1)
-            eval_prompts=test_prompts, correct_func=verifier_reward, answer_func=extract_verdict,
-            processing_class=processing_class, peft_config=get_peft_config(model_args),
-            quantization_config=get_quantization_config(model_args), engine=engine,
+            eval_prompts=test_prompts,
+            correct_func=verifier_reward,
+            answer_func=extract_verdict,
+            processing_class=processing_class,
+            peft_config=get_peft_config(model_args),
+            quantization_config=get_quantization_config(model_args),
+            engine=engine,
             sampling=sampling_settings(script_args, script_args.num_verdicts, script_args.verdict_max_new_tokens),
-            eval_sampling=sampling_settings(script_args, script_args.eval_num_verdicts,
-                                            script_args.verdict_max_new_tokens, seed=training_args.seed),
-        )  # fmt: skip
+            eval_sampling=sampling_settings(
+                script_args, script_args.eval_num_verdicts, script_args.verdict_max_new_tokens, seed=training_args.seed
+            ),
+        )
         final = output_dir / f"round-{rounds[-1]['round']}"
         trained = rounds[-1]["round"] > 0  # `--num_rounds 0` evaluates the initial verifier only
-        scores = verifier_scores([model, str(final)] if trained else [model], test_prompts, script_args,
-                                 training_args, engine)  # fmt: skip
+        scores = verifier_scores(
+            [model, str(final)] if trained else [model], test_prompts, script_args, training_args, engine
+        )
         before, after = scores[0], scores[-1]
     votes = {"before": vote_accuracies(solutions["test"], before), "after": vote_accuracies(solutions["test"], after)}
-    results = {"rounds": rounds, "votes": votes,
-               "labels": {split: sum(r["correct"] for r in rows) / len(rows) for split, rows in solutions.items()}}
+    results = {
+        "rounds": rounds,
+        "votes": votes,
+        "labels": {split: sum(r["correct"] for r in rows) / len(rows) for split, rows in solutions.items()},
+    }
     if PartialState().is_main_process:
         (output_dir / "verifier_results.json").write_text(json.dumps(results, indent=1))
         name = base_model_name(transformers.AutoConfig.from_pretrained(model))
-        text = report(results, script_args, name, "its own" if generator == model else f"{generator}'s",
-                      device_type(training_args.use_cpu))
+        text = report(
+            results,
+            script_args,
+            name,
+            "its own" if generator == model else f"{generator}'s",
+            device_type(training_args.use_cpu),
+        )
         if trained:
-            publish(final, rounds, script_args, training_args, title="Verifier evaluation per round",
-                    extra=f"## What the verifier does for answers\n\n{votes_table(results, script_args)}\n\n",
-                    commit_message="A generative verifier trained with TOPR")
+            publish(
+                final,
+                rounds,
+                script_args,
+                training_args,
+                title="Verifier evaluation per round",
+                extra=f"## What the verifier does for answers\n\n{votes_table(results, script_args)}\n\n",
+                commit_message="A generative verifier trained with TOPR",
+            )
         print(text)
     return results
 
@@ -249,8 +316,12 @@ def main(script_args: VerifierArguments, training_args: TOPRConfig, model_args: 
 def votes_table(results: dict, script_args: VerifierArguments) -> str:
     """Markdown: the vote accuracies over the generator's solutions, with the verifier before and after training."""
     n = script_args.num_solutions
-    names = [("pass@1", "generator pass@1"), ("majority_vote", f"majority vote of {n}"),
-             ("verifier_vote", f"verifier-weighted vote of {n}"), ("best_of_n", f"best-of-{n}")]  # fmt: skip
+    names = [
+        ("pass@1", "generator pass@1"),
+        ("majority_vote", f"majority vote of {n}"),
+        ("verifier_vote", f"verifier-weighted vote of {n}"),
+        ("best_of_n", f"best-of-{n}"),
+    ]
     lines = ["| | verifier before | verifier after |", "|---|---|---|"]
     for key, label in names:
         lines.append(f"| {label} | {results['votes']['before'][key]:.3f} | {results['votes']['after'][key]:.3f} |")
@@ -262,23 +333,31 @@ def report(results: dict, script_args: VerifierArguments, model: str, generator:
     accuracy), the votes, the elapsed time."""
     first, last = results["rounds"][0], results["rounds"][-1]
     k = script_args.eval_num_verdicts
-    rows = [("accuracy, greedy verdict", "pass@1_greedy"), (f"accuracy, {k} sampled verdicts", "pass@1"),
-            ("invalid verdicts (sampled)", "invalid_rate"), ("invalid verdicts (greedy)", "invalid_rate_greedy")]
+    rows = [
+        ("accuracy, greedy verdict", "pass@1_greedy"),
+        (f"accuracy, {k} sampled verdicts", "pass@1"),
+        ("invalid verdicts (sampled)", "invalid_rate"),
+        ("invalid verdicts (greedy)", "invalid_rate_greedy"),
+    ]
     minutes, seconds = divmod(round(time.monotonic() - START), 60)
-    return "\n".join([
-        f"\nTrained {model} as a verifier of {generator} solutions ({script_args.task}), with TOPR for "
-        f"{last['round']} round(s) on {device}.",
-        f"Solutions judged correct by the gold answer: {results['labels']['train']:.0%} (train), "
-        f"{results['labels']['test']:.0%} (test): always giving the test split's more frequent verdict scores "
-        f"{max(results['labels']['test'], 1 - results['labels']['test']):.3f}.",
-        "Verifier on the test solutions:",
-        f"  {'':<32}{'before':>8}{'after':>8}",
-        *(f"  {label:<32}{first.get(key, float('nan')):>8.3f}{last.get(key, float('nan')):>8.3f}"
-          for label, key in rows),
-        f"Answers to the test questions, over {script_args.num_solutions} solutions each:",
-        votes_table(results, script_args),
-        f"Done in {minutes} min {seconds:02d} s.",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"\nTrained {model} as a verifier of {generator} solutions ({script_args.task}), with TOPR for "
+            f"{last['round']} round(s) on {device}.",
+            f"Solutions judged correct by the gold answer: {results['labels']['train']:.0%} (train), "
+            f"{results['labels']['test']:.0%} (test): always giving the test split's more frequent verdict scores "
+            f"{max(results['labels']['test'], 1 - results['labels']['test']):.3f}.",
+            "Verifier on the test solutions:",
+            f"  {'':<32}{'before':>8}{'after':>8}",
+            *(
+                f"  {label:<32}{first.get(key, float('nan')):>8.3f}{last.get(key, float('nan')):>8.3f}"
+                for label, key in rows
+            ),
+            f"Answers to the test questions, over {script_args.num_solutions} solutions each:",
+            votes_table(results, script_args),
+            f"Done in {minutes} min {seconds:02d} s.",
+        ]
+    )
 
 
 def make_parser(subparsers=None) -> TrlParser:
@@ -286,8 +365,9 @@ def make_parser(subparsers=None) -> TrlParser:
     dataclass_types = (VerifierArguments, TOPRConfig, ModelConfig)
     epilog = "--config FILE.yaml: read any of the arguments above from a YAML file (command-line flags win)."
     if subparsers is not None:
-        return subparsers.add_parser("verifier", help="a generative verifier trained with TOPR",
-                                     dataclass_types=dataclass_types, epilog=epilog)  # fmt: skip
+        return subparsers.add_parser(
+            "verifier", help="a generative verifier trained with TOPR", dataclass_types=dataclass_types, epilog=epilog
+        )
     return TrlParser(dataclass_types, epilog=epilog)
 
 

@@ -15,25 +15,10 @@ import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from huggingface_hub import CommitInfo, HfApi, RepoUrl  # noqa: E402
 from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
 from trl_topr import TOPRConfig, TOPRTrainer  # noqa: E402
-from trl_topr.config import CHECKPOINTING  # noqa: E402
-
-
-CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-CORPUS = [
-    "What is 2 + 3? The answer is 5.",
-    "What is 7 * 8? The answer is 56.",
-    "Tell me a story about a cat and a dog.",
-    "The quick brown fox jumps over the lazy dog.",
-    "user assistant system hello world yes no maybe correct wrong",
-    "0 1 2 3 4 5 6 7 8 9 10 11 12 + - * / = ? .",
-] * 20
+from trl_topr.compat import CHECKPOINTING  # noqa: E402
+from trl_topr.testing import CHATML, CORPUS, build_tiny_model  # noqa: E402, F401  (the tests import them from here)
 
 
 def end_processes() -> None:
@@ -66,8 +51,13 @@ def recording_trainer(trained: list) -> type:
         def train(self, *args, **kwargs):
             output = super().train(*args, **kwargs)
             optimizer = self.optimizer
-            for name, held in (("trainer", self), ("model", self.model), ("trained model", self.model_wrapped),
-                               ("optimizer", optimizer), ("inner optimizer", getattr(optimizer, "optimizer", None))):
+            for name, held in (
+                ("trainer", self),
+                ("model", self.model),
+                ("trained model", self.model_wrapped),
+                ("optimizer", optimizer),
+                ("inner optimizer", getattr(optimizer, "optimizer", None)),
+            ):
                 if held is not None:
                     trained.append((name, weakref.ref(held)))
             return output
@@ -80,39 +70,6 @@ def alive(trained: list) -> list[str]:
     return [name for name, reference in trained if reference() is not None]
 
 
-def build_tiny_model(folder: str, seed: int = 0, hidden_size: int = 32) -> str:
-    """Save a 2-layer Llama and a ~200-token BPE tokenizer (ChatML template) to `folder`; return the folder."""
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    specials = ["<unk>", "<pad>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(
-        vocab_size=200, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tokenizer.train_from_iterator(CORPUS, trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="<unk>", pad_token="<pad>", eos_token="<|im_end|>"
-    )
-    tokenizer.chat_template = CHATML
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-    )
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory) -> str:
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny-llama")))
@@ -121,8 +78,9 @@ def tiny_model_path(tmp_path_factory) -> str:
 # Tests of a path that also runs on CUDA: "cuda" runs where a GPU exists (`pytest -m gpu`), "cpu" everywhere.
 DEVICES = [
     "cpu",
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                    reason="needs a CUDA GPU")]),
+    pytest.param(
+        "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+    ),
 ]
 
 
@@ -193,4 +151,3 @@ def hub(monkeypatch):
     monkeypatch.setattr(HfApi, "create_repo", create_repo)
     monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
     return calls
-

@@ -7,27 +7,20 @@ from pathlib import Path
 
 import torch
 from accelerate import PartialState
-from accelerate.state import AcceleratorState
-from accelerate.utils import DistributedType
+
+from trl_topr.testing import reapply_fsdp_plugin
 
 
-def reapply_fsdp_plugin():
-    # accelerate keeps the FSDP plugin only for accelerator devices: on a multi-process CPU run it silently falls back
-    # to DDP. Re-apply it, so that FSDP2 really shards the model on gloo (the test asserts DTensor parameters). The
-    # distributed type lives in PartialState's shared state, which every AcceleratorState() copies.
-    original = AcceleratorState.__init__
-
-    def init(self, *args, fsdp_plugin=None, **kwargs):
-        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
-        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
-            PartialState._shared_state["distributed_type"] = self.distributed_type = DistributedType.FSDP
-            self.fsdp_plugin = fsdp_plugin
-
-    AcceleratorState.__init__ = init
-
-
-def main(engine: str, tests_dir: str, model_path: str, other_model_path: str, data_path: str, output_dir: str,
-         lora: bool, padding_free: bool):
+def main(
+    engine: str,
+    tests_dir: str,
+    model_path: str,
+    other_model_path: str,
+    data_path: str,
+    output_dir: str,
+    lora: bool,
+    padding_free: bool,
+):
     sys.path.insert(0, tests_dir)
     if engine == "fsdp2":
         reapply_fsdp_plugin()
@@ -44,24 +37,29 @@ def main(engine: str, tests_dir: str, model_path: str, other_model_path: str, da
     state = PartialState()
     result = {}
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear") if lora else None
+
     def args(name):  # one configuration per trainer, as TrainingArguments set up accelerate's state
-        return make_args(output / name, max_steps=6, per_device_train_batch_size=2, learning_rate=1e-2,
-                         padding_free=padding_free)
+        return make_args(
+            output / name, max_steps=6, per_device_train_batch_size=2, learning_rate=1e-2, padding_free=padding_free
+        )
 
     # A different model on the same file dataset: its behavior log-probs must not come from the first one's cache.
     other = TOPRTrainer(other_model_path, args=args("other"), train_dataset=Dataset.from_json(data_path))
     result["other_behavior"] = list(other.train_dataset["behavior_logps"])
     del other
 
-    trainer = TOPRTrainer(model_path, args=args("train"), train_dataset=Dataset.from_json(data_path),
-                          peft_config=peft_config)
+    trainer = TOPRTrainer(
+        model_path, args=args("train"), train_dataset=Dataset.from_json(data_path), peft_config=peft_config
+    )
     result["behavior"] = list(trainer.train_dataset["behavior_logps"])
     # ZeRO-3 partitions at load time: every parameter this process holds outside a gather is empty
     result["partitioned"] = all(p.numel() == 0 for p in trainer.model.parameters())
     trainer.train()
-    result["engine"] = {"deepspeed": trainer.is_deepspeed_enabled, "fsdp": trainer.is_fsdp_enabled,
-                        "dtensor": any(isinstance(p, torch.distributed.tensor.DTensor)
-                                       for p in trainer.model.parameters())}
+    result["engine"] = {
+        "deepspeed": trainer.is_deepspeed_enabled,
+        "fsdp": trainer.is_fsdp_enabled,
+        "dtensor": any(isinstance(p, torch.distributed.tensor.DTensor) for p in trainer.model.parameters()),
+    }
     result["losses"] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     # Right after training, the behavior log-probs of a raw dataset are those of the trained weights: ratios at 1.
     result["evaluate"] = trainer.evaluate(Dataset.from_json(data_path))
@@ -71,16 +69,25 @@ def main(engine: str, tests_dir: str, model_path: str, other_model_path: str, da
     def correct(prompts, completions, answer, **kwargs):
         return [1.0 if a in c else -1.0 for c, a in zip(completions, answer)]
 
-    prompts = Dataset.from_dict({"prompt": [f"What is {i} + 3?" for i in range(6)],
-                                 "answer": [str(i + 3) for i in range(6)]})
+    prompts = Dataset.from_dict(
+        {"prompt": [f"What is {i} + 3?" for i in range(6)], "answer": [str(i + 3) for i in range(6)]}
+    )
     loop_args = make_args(output / "loop", max_steps=-1, per_device_train_batch_size=2, padding_free=padding_free)
     trained = []  # what the loop's rounds trained with: nothing of it may outlive its round
     trl_topr.loop.TOPRTrainer = recording_trainer(trained)
     result["rounds"] = run_topr_loop(
-        model_path, prompts, correct, loop_args, num_rounds=2, peft_config=peft_config, replay_rounds=1,
+        model_path,
+        prompts,
+        correct,
+        loop_args,
+        num_rounds=2,
+        peft_config=peft_config,
+        replay_rounds=1,
         eval_prompts=prompts.select(range(5)),  # an odd number: uneven shares on 2 processes
-        correct_func=correct, answer_func=lambda text: text.split()[-1] if text.split() else None,
-        sampling=SamplingSettings(num_samples=2, max_new_tokens=6), progress=False,
+        correct_func=correct,
+        answer_func=lambda text: text.split()[-1] if text.split() else None,
+        sampling=SamplingSettings(num_samples=2, max_new_tokens=6),
+        progress=False,
         eval_sampling=SamplingSettings(num_samples=2, max_new_tokens=6, seed=0),
     )
     result["loop_trained"], result["loop_alive"] = [name for name, _ in trained], alive(trained)
@@ -91,8 +98,16 @@ def main(engine: str, tests_dir: str, model_path: str, other_model_path: str, da
 
 if __name__ == "__main__":
     engine, tests_dir, model_path, other_model_path, data_path, output_dir, lora, layout = sys.argv[1:9]
-    main(engine, tests_dir, model_path, other_model_path, data_path, output_dir, lora == "lora",
-         layout == "padding_free")
+    main(
+        engine,
+        tests_dir,
+        model_path,
+        other_model_path,
+        data_path,
+        output_dir,
+        lora == "lora",
+        layout == "padding_free",
+    )
     from conftest import end_processes  # the tests' folder is on the path by now
 
     end_processes()

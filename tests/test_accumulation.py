@@ -27,9 +27,16 @@ def uneven_dataset() -> Dataset:
 
 def one_sgd_step(model_path, output_dir, normalization, batch_size, accumulation):
     # Plain SGD without clipping: the update is the gradient itself, so any error in its scale shows.
-    args = make_args(output_dir, max_steps=1, per_device_train_batch_size=batch_size,
-                     gradient_accumulation_steps=accumulation, optim="sgd", learning_rate=1.0, max_grad_norm=0.0,
-                     loss_normalization=normalization)
+    args = make_args(
+        output_dir,
+        max_steps=1,
+        per_device_train_batch_size=batch_size,
+        gradient_accumulation_steps=accumulation,
+        optim="sgd",
+        learning_rate=1.0,
+        max_grad_norm=0.0,
+        loss_normalization=normalization,
+    )
     trainer = TOPRTrainer(model_path, args=args, train_dataset=uneven_dataset())
     trainer.train()
     return {name: p.detach().clone() for name, p in trainer.model.named_parameters()}, trainer
@@ -51,8 +58,17 @@ def test_logged_metrics_are_exact_over_accumulated_micro_batches(tiny_model_path
     # fraction are the values over all 8 rows, as with one batch of 8.
     _, whole = one_sgd_step(tiny_model_path, tmp_path / "8x1", "sequence_length", 8, 1)
     _, split = one_sgd_step(tiny_model_path, tmp_path / "2x4", "sequence_length", 2, 4)
-    for key in ("reward", "positive_fraction", "effective_positive_fraction", "negative_weight_mean",
-                "completion_length", "entropy", "log_ratio_mean", "log_ratio_min", "log_ratio_max"):
+    for key in (
+        "reward",
+        "positive_fraction",
+        "effective_positive_fraction",
+        "negative_weight_mean",
+        "completion_length",
+        "entropy",
+        "log_ratio_mean",
+        "log_ratio_min",
+        "log_ratio_max",
+    ):
         assert split.state.log_history[0][key] == pytest.approx(whole.state.log_history[0][key], rel=1e-5, abs=1e-6)
 
 
@@ -79,11 +95,27 @@ def test_two_processes_update_like_one_batch(tiny_model_path, tmp_path, normaliz
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(tests=str(Path(__file__).parent)))
     output_dir = tmp_path / "ddp"
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               str(script), tiny_model_path, str(output_dir), normalization]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(script),
+        tiny_model_path,
+        str(output_dir),
+        normalization,
+    ]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     distributed = load_file(str(output_dir / "model.safetensors"))
     whole, _ = one_sgd_step(tiny_model_path, tmp_path / "8x1", normalization, 8, 1)
@@ -102,10 +134,22 @@ def test_online_metrics_are_weighted_by_their_counts(tiny_model_path, tmp_path):
     # One optimizer step over a generation batch of 8 completions split into 2 micro-batches: the logged effective
     # positive fraction is the one of the 8 rewards, not the mean of the two micro-batches' fractions.
     varied_reward.seen = []
-    args = TOPRGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", num_generations=4,
-                          per_device_train_batch_size=4, gradient_accumulation_steps=2, max_completion_length=8,
-                          max_steps=1, logging_steps=1, save_strategy="no", activation_checkpointing=False,
-                          learning_rate=1e-3, seed=1)
+    args = TOPRGRPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        num_generations=4,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_completion_length=8,
+        max_steps=1,
+        logging_steps=1,
+        save_strategy="no",
+        activation_checkpointing=False,
+        learning_rate=1e-3,
+        seed=1,
+    )
     prompts = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"What is {i} + 3?"}] for i in range(8)]})
     trainer = TOPRGRPOTrainer(tiny_model_path, varied_reward, args=args, train_dataset=prompts)
     trainer.train()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -73,8 +74,23 @@ def test_cost_benchmark_compares_batch_layouts_on_uneven_lengths(capsys, tmp_pat
 
 
 def test_cost_benchmark_profiles_each_trainer(capsys, tmp_path):
-    load("cost").main(["--quick", "--steps", "3", "--lengths", "16", "--batches", "2", "--trainers", "SFT", "TOPR",
-                       "--profile", "--out", str(tmp_path)])
+    load("cost").main(
+        [
+            "--quick",
+            "--steps",
+            "3",
+            "--lengths",
+            "16",
+            "--batches",
+            "2",
+            "--trainers",
+            "SFT",
+            "TOPR",
+            "--profile",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     out = capsys.readouterr().out
     for name in ("SFT", "TOPR"):
         section = out.split(f"{name}, L=16, batch 2: CPU self time per profiled step (ms)")[1].split("\n\n")[1]
@@ -105,8 +121,11 @@ def test_sampling_benchmark_prints_ratio_table(capsys, tmp_path):
     assert table in capsys.readouterr().out
     header, _rule, *rows = table.splitlines()
     assert "ratio" in header
-    assert [row.split("|")[1].strip() for row in rows] == ["sampling", "precompute",
-                                                         "precompute's forward alone (fused LM head)"]
+    assert [row.split("|")[1].strip() for row in rows] == [
+        "sampling",
+        "precompute",
+        "precompute's forward alone (fused LM head)",
+    ]
     assert all(float(row.split("|")[4]) > 0 for row in rows)
     check_provenance(tmp_path, f"python benchmarks/sampling.py --quick --reps 1 --max_new_tokens 4 --out {tmp_path}")
     results = json.loads((tmp_path / "results.json").read_text())
@@ -147,10 +166,25 @@ def test_memory_benchmark_puts_labelled_runs_side_by_side(capsys, tmp_path, tiny
 def test_provenance_command_records_a_command_its_log_and_kept_files(tmp_path):
     # Any command (a recipe, the GPU tests) runs through provenance.py, which records it like a benchmark's results.
     out = tmp_path / "out"
-    script = "from pathlib import Path; import os, sys; Path(sys.argv[1], 'kept.json').write_text('{}'); " \
-             "Path(sys.argv[1], 'dropped.bin').write_text('x'); print('isa', os.environ['ATEN_CPU_CAPABILITY'], sys.argv[1])"
-    command = [sys.executable, str(BENCHMARKS / "provenance.py"), str(out), "--keep", "*.json", "--env",
-               "ATEN_CPU_CAPABILITY=avx2", "--", "python", "-c", script, "{work}"]
+    script = (
+        "from pathlib import Path; import os, sys; Path(sys.argv[1], 'kept.json').write_text('{}'); "
+        "Path(sys.argv[1], 'dropped.bin').write_text('x'); "
+        "print('isa', os.environ['ATEN_CPU_CAPABILITY'], sys.argv[1])"
+    )
+    command = [
+        sys.executable,
+        str(BENCHMARKS / "provenance.py"),
+        str(out),
+        "--keep",
+        "*.json",
+        "--env",
+        "ATEN_CPU_CAPABILITY=avx2",
+        "--",
+        "python",
+        "-c",
+        script,
+        "{work}",
+    ]
     status = subprocess.run(command, capture_output=True, text=True)
     assert status.returncode == 0, status.stderr
     assert sorted(p.name for p in out.iterdir()) == ["kept.json", "log.txt", "provenance.json"]
@@ -171,11 +205,12 @@ def test_provenance_command_records_a_command_its_log_and_kept_files(tmp_path):
 
 
 def test_iterative_benchmark_resumes_and_gives_every_method_the_same_budget(capsys, tmp_path):
+    arms = load("arms")
     iterative = load("iterative")
     options = ["--scale", "fast", "--quick", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")]
     ledger = tmp_path / "out" / "runs"
     iterative.main(options + ["--time_limit", "0"])  # stops after its first run, recorded in the ledger
-    assert f"not finished: {', '.join(iterative.METHODS)}. Run the same command again" in capsys.readouterr().out
+    assert f"not finished: {', '.join(arms.ARMS)}. Run the same command again" in capsys.readouterr().out
     first = (ledger / "topr.jsonl").read_text()
     assert [(e["lr"], e["seed"]) for e in map(json.loads, first.splitlines())] == [(3e-4, 0)]
     assert not (tmp_path / "work" / "topr" / "lr0.0003" / "seed1").exists()
@@ -183,7 +218,7 @@ def test_iterative_benchmark_resumes_and_gives_every_method_the_same_budget(caps
     table = iterative.main(options)  # goes on: the first run is not redone
     assert table in capsys.readouterr().out and (ledger / "topr.jsonl").read_text().startswith(first)
     header, _rule, *rows = table.split("\n\n")[0].splitlines()
-    assert [row.split("|")[1].strip() for row in rows] == list(iterative.METHODS)
+    assert [row.split("|")[1].strip() for row in rows] == list(arms.ARMS)
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     budgets = set()
     for method, entry in results["methods"].items():
@@ -196,12 +231,16 @@ def test_iterative_benchmark_resumes_and_gives_every_method_the_same_budget(caps
         for run in entry["runs"]:
             assert [r["round"] for r in run] == list(range(iterative.QUICK["rounds"] + 1))
             budgets.add(tuple(r["sampled_completions"] for r in run))
-            assert all(0.0 <= r[f"{split}/pass@1{kind}"] <= 1.0 for r in run for split in ("validation", "test")
-                       for kind in ("", "_greedy"))  # the fast scale evaluates both splits every round
+            assert all(
+                0.0 <= r[f"{split}/pass@1{kind}"] <= 1.0
+                for r in run
+                for split in ("validation", "test")
+                for kind in ("", "_greedy")
+            )  # the fast scale evaluates both splits every round
             if method.startswith("topr"):  # the loop's training logs, per round
                 assert all(0.0 <= r["train/negative_weight_share"] <= 1.0 for r in run[1:])
             # replay arms: round 2 trains on round 1's samples too, and reports them by age
-            replayed = method.endswith(iterative.REPLAY)
+            replayed = arms.ARMS[method].replay
             assert entry["replay_rounds"] == (iterative.QUICK["replay"] if replayed else 0)
             assert ("age_1/rows" in run[2]) == replayed and ("age_1/rows" in run[1]) is False
             if replayed:
@@ -212,19 +251,21 @@ def test_iterative_benchmark_resumes_and_gives_every_method_the_same_budget(caps
     assert (tmp_path / "out" / "iterative.png").stat().st_size > 0
     assert "negative weight share" in (tmp_path / "out" / "diagnosis.md").read_text()
     efficiency = (tmp_path / "out" / "efficiency.md").read_text().split("\n\n")[1].splitlines()[2:]
-    assert [row.split("|")[1].strip() for row in efficiency] == list(iterative.METHODS)
+    assert [row.split("|")[1].strip() for row in efficiency] == list(arms.ARMS)
     ages = (tmp_path / "out" / "ages.md").read_text().split("\n\n")[1].splitlines()[2:]
     assert {(row.split("|")[1].strip(), row.split("|")[3].strip()) for row in ages} == {
-        (method, age) for method in iterative.METHODS if method.endswith(iterative.REPLAY) for age in "01"}
+        (method, age) for method in arms.ARMS if arms.ARMS[method].replay for age in "01"
+    }
     sweep_rows = (tmp_path / "out" / "sweep.md").read_text().split("\n\n")[1].splitlines()[2:]
-    assert [row.split("|")[1].strip() for row in sweep_rows] == list(iterative.METHODS)  # one rate each in --quick
+    assert [row.split("|")[1].strip() for row in sweep_rows] == list(arms.ARMS)  # one rate each in --quick
 
     # --report_only: the ledger's runs again, nothing trained (a method without a ledger is left out)
     (ledger / "grpo.jsonl").unlink()
     shutil.rmtree(tmp_path / "work")
     partial = iterative.main(options + ["--report_only"])
     assert [row for row in partial.split("\n\n")[0].splitlines()[2:]] == [
-        row for row in table.split("\n\n")[0].splitlines()[2:] if "| grpo |" not in row]
+        row for row in table.split("\n\n")[0].splitlines()[2:] if "| grpo |" not in row
+    ]
     assert not (tmp_path / "work" / "grpo").exists()
     # each call that wrote the results is recorded: the results accumulate over calls (and commits)
     runs = json.loads((tmp_path / "out" / "provenance.json").read_text())["runs"]
@@ -236,7 +277,7 @@ def test_iterative_benchmark_resumes_and_gives_every_method_the_same_budget(caps
 
 
 def test_iterative_sweep_climbs_the_grid_and_stops_past_the_peak():
-    iterative = load("iterative")
+    search = load("search")
     scores = {1e-6: 0.1, 3e-6: 0.2, 1e-5: 0.5, 3e-5: 0.7, 1e-4: 0.6, 3e-4: 0.9, 1e-3: 0.95}
     trained = []
 
@@ -245,71 +286,100 @@ def test_iterative_sweep_climbs_the_grid_and_stops_past_the_peak():
         return scores[rate]
 
     grid = [3e-4, 1e-4, 3e-5, 1e-5]
-    assert iterative.climb(grid, score, done=lambda rate: False) == {1e-5: 0.5, 3e-5: 0.7, 1e-4: 0.6}
+    assert search.climb(grid, score, done=lambda rate: False) == {1e-5: 0.5, 3e-5: 0.7, 1e-4: 0.6}
     assert trained == [1e-5, 3e-5, 1e-4]  # ascending; 3e-4 is past the peak, not trained
     # a finished run past the peak is still read; its best at the grid's top edge asks for rates beyond it
     scores[3e-3] = 0.2
-    assert iterative.climb(grid, scores.get, done=lambda rate: rate == 3e-4) == {
-        1e-5: 0.5, 3e-5: 0.7, 1e-4: 0.6, 3e-4: 0.9, 1e-3: 0.95, 3e-3: 0.2}  # fmt: skip
+    assert search.climb(grid, scores.get, done=lambda rate: rate == 3e-4) == {
+        1e-5: 0.5,
+        3e-5: 0.7,
+        1e-4: 0.6,
+        3e-4: 0.9,
+        1e-3: 0.95,
+        3e-3: 0.2,
+    }
     # a best past the edge is followed while it stays at the edge, up to PAST_EDGE rates beyond the grid
     descending = {rate: -rate for rate in [1e-7, 3e-7, 1e-6, 3e-6, 1e-5]}
-    assert iterative.PAST_EDGE == 2
-    assert iterative.climb([3e-6, 1e-5], descending.get, done=lambda rate: False) == {
-        3e-6: -3e-6, 1e-5: -1e-5, 1e-6: -1e-6, 3e-7: -3e-7}  # fmt: skip
+    assert search.PAST_EDGE == 2
+    assert search.climb([3e-6, 1e-5], descending.get, done=lambda rate: False) == {
+        3e-6: -3e-6,
+        1e-5: -1e-5,
+        1e-6: -1e-6,
+        3e-7: -3e-7,
+    }
     turns = {1e-6: 0.4, 3e-6: 0.5, 1e-5: 0.3}  # the first rate past the edge scores lower: the sweep ends there
-    assert iterative.climb([3e-6, 1e-5], turns.get, done=lambda rate: False) == {3e-6: 0.5, 1e-5: 0.3, 1e-6: 0.4}
-    assert iterative.climb([3e-4], scores.get, done=lambda rate: False) == {3e-4: 0.9}  # one rate: no sweep
-    assert iterative.climb(grid, lambda rate: None if rate == 3e-5 else scores[rate], lambda rate: False) is None
-    assert [iterative.beyond(rate, up) for rate, up in [(1e-5, False), (3e-6, False), (3e-5, True), (1e-3, True)]] \
-        == [3e-6, 1e-6, 1e-4, 3e-3]
+    assert search.climb([3e-6, 1e-5], turns.get, done=lambda rate: False) == {3e-6: 0.5, 1e-5: 0.3, 1e-6: 0.4}
+    assert search.climb([3e-4], scores.get, done=lambda rate: False) == {3e-4: 0.9}  # one rate: no sweep
+    assert search.climb(grid, lambda rate: None if rate == 3e-5 else scores[rate], lambda rate: False) is None
+    assert [search.beyond(rate, up) for rate, up in [(1e-5, False), (3e-6, False), (3e-5, True), (1e-3, True)]] == [
+        3e-6,
+        1e-6,
+        1e-4,
+        3e-3,
+    ]
 
 
 def test_iterative_sample_efficiency_counts_completions_to_the_first_round_at_a_threshold():
-    iterative = load("iterative")
-    run = [{"sampled_completions": 0, "test/pass@1": 0.5}, {"sampled_completions": 512, "test/pass@1": 0.85},
-           {"sampled_completions": 1024, "test/pass@1": 0.79}, {"sampled_completions": 1536, "test/pass@1": 0.9}]
-    assert iterative.first_reaching(run, 0.8) == 512 and iterative.first_reaching(run, 0.9) == 1536
-    assert iterative.first_reaching(run, 0.95) is None
-    assert iterative.validation_scores([{"validation/pass@1": 0.9, "validation/pass@1_greedy": 1.0},
-                                        {"validation/pass@1": 0.2}, {"validation/pass@1": 0.6,
-                                                                     "validation/pass@1_greedy": 0.5}]) == {
-        "mean": pytest.approx(0.4), "last": 0.6, "greedy_last": 0.5}  # round 0 is not in the mean
+    report = load("iterative_report")
+    ledger = load("ledger")
+    run = [
+        {"sampled_completions": 0, "test/pass@1": 0.5},
+        {"sampled_completions": 512, "test/pass@1": 0.85},
+        {"sampled_completions": 1024, "test/pass@1": 0.79},
+        {"sampled_completions": 1536, "test/pass@1": 0.9},
+    ]
+    assert report.first_reaching(run, 0.8) == 512 and report.first_reaching(run, 0.9) == 1536
+    assert report.first_reaching(run, 0.95) is None
+    assert ledger.validation_scores(
+        [
+            {"validation/pass@1": 0.9, "validation/pass@1_greedy": 1.0},
+            {"validation/pass@1": 0.2},
+            {"validation/pass@1": 0.6, "validation/pass@1_greedy": 0.5},
+        ]
+    ) == {"mean": pytest.approx(0.4), "last": 0.6, "greedy_last": 0.5}  # round 0 is not in the mean
 
 
 def test_iterative_replay_arms_score_every_rate_of_their_grid():
+    search = load("search")
+    ledger = load("ledger")
     # the same-rate table: a replay arm's sweep does not stop past its peak; an on-policy arm's does
-    iterative = load("iterative")
     setting = {"lrs": [1e-5, 1e-4, 3e-4], "replay_lrs": [1e-5, 1e-4, 3e-4], "sweep_seeds": 2, "past_edge": 0}
     peak = {1e-5: 0.5, 1e-4: 0.7, 3e-4: 0.6}
-    empty = iterative.Ledger(Path("/nonexistent"))
-    assert iterative.sweep(setting, "topr+replay", peak.get, empty) == peak
-    assert iterative.sweep(setting, "topr", {**peak, 1e-4: 0.4}.get, empty) == {1e-5: 0.5, 1e-4: 0.4}
+    empty = ledger.Ledger(Path("/nonexistent"))
+    assert search.sweep(setting, "topr+replay", peak.get, empty) == peak
+    assert search.sweep(setting, "topr", {**peak, 1e-4: 0.4}.get, empty) == {1e-5: 0.5, 1e-4: 0.4}
 
 
 def test_iterative_ledger_trains_again_a_run_whose_line_was_cut_short(tmp_path, capsys):
-    iterative = load("iterative")
+    ledgers = load("ledger")
     runs = tmp_path / "runs"
     runs.mkdir()
     whole = json.dumps({"method": "topr", "lr": 1e-5, "seed": 0, "seconds": 3})
     (runs / "topr.jsonl").write_text(whole + "\n" + whole.replace('"seed": 0', '"seed": 1')[:30])
-    ledger = iterative.Ledger(tmp_path)
+    ledger = ledgers.Ledger(tmp_path)
     assert ledger.get("topr", 1e-5, 0)["seconds"] == 3 and ledger.get("topr", 1e-5, 1) is None
     assert "cut short" in capsys.readouterr().err
     (runs / "topr.jsonl").write_text(whole[:30] + "\n" + whole + "\n")  # cut short before the end: not a killed write
     with pytest.raises(json.JSONDecodeError):
-        iterative.Ledger(tmp_path)
+        ledgers.Ledger(tmp_path)
 
 
 def test_iterative_fast_results_follow_the_sweep():
+    search = load("search")
+    arms = load("arms")
     # The committed fast results hold every rate the sweep asks for, and its best rate is the one each method ran.
-    iterative = load("iterative")
     results = json.loads((BENCHMARKS / "results" / "iterative-fast" / "results.json").read_text())
-    sweeps = {method: {float(rate): value for rate, value in entry["sweep"].items()}
-              for method, entry in results["methods"].items()}  # fmt: skip
-    assert list(sweeps) == list(iterative.METHODS)
+    sweeps = {
+        method: {float(rate): value for rate, value in entry["sweep"].items()}
+        for method, entry in results["methods"].items()
+    }
+    assert list(sweeps) == list(arms.ARMS)
     for method, recorded in sweeps.items():
-        swept = iterative.climb(iterative.grid(results["settings"], method), recorded.get,
-                                done=lambda rate: method.endswith(iterative.REPLAY) or rate in recorded,
-                                past_edge=results["settings"]["past_edge"])  # fmt: skip
-        assert swept == recorded and iterative.best_rate(swept) == results["methods"][method]["lr"], method
+        swept = search.climb(
+            search.grid(results["settings"], method),
+            recorded.get,
+            done=lambda rate, method=method, recorded=recorded: arms.ARMS[method].replay or rate in recorded,
+            past_edge=results["settings"]["past_edge"],
+        )
+        assert swept == recorded and search.best_rate(swept) == results["methods"][method]["lr"], method
         assert len(results["methods"][method]["runs"]) == results["settings"]["seeds"], method

@@ -22,16 +22,19 @@ from trl_topr.scripts.utils import load_local_or_hub_dataset, save_dataset, smol
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(sys.executable).parent / "trl-topr"  # the console script of `pip install -e .`
 COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "trl_topr.cli"]
-METRICS = {"pass@1_greedy", "pass@1", "maj@2", "invalid_rate", "invalid_rate_greedy", "truncated_rate",
-           "mean_length"}
+METRICS = {"pass@1_greedy", "pass@1", "maj@2", "invalid_rate", "invalid_rate_greedy", "truncated_rate", "mean_length"}
 
 
 def run_cli(args, cwd, timeout=240, **env):
     """Run `trl-topr ARGS` offline; return the completed process."""
     env = {
-        **os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **env,
-    }  # fmt: skip
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        **env,
+    }
     return subprocess.run(COMMAND + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -46,12 +49,31 @@ def prompts_file(tmp_path, n=4):
 
 
 HELP = {
-    "train": ["--loss_type", "--target_positive_fraction", "--dataset_name", "--model_name_or_path", "--use_peft",
-              "--load_in_4bit", "--lora_r", "--datasets"],
-    "sample": ["--reward_funcs", "--reward_weights", "--prompt_column", "--num_samples", "--temperature", "--top_p",
-               "--top_k", "--max_new_tokens", "--seed", "--batch_size", "--output_path"],
-    "eval": ["--correct_func", "--answer_func", "--output_path", "--num_samples"],
-}  # fmt: skip
+    "train": [
+        "--loss_type",
+        "--target_positive_fraction",
+        "--dataset_name",
+        "--model_name_or_path",
+        "--use_peft",
+        "--load_in_4bit",
+        "--lora_r",
+        "--datasets",
+    ],
+    "sample": [
+        "--reward_funcs",
+        "--reward_weights",
+        "--prompt_column",
+        "--num_samples",
+        "--temperature",
+        "--top_p",
+        "--top_k",
+        "--max_new_tokens",
+        "--seed",
+        "--batch_size",
+        "--output_path",
+    ],
+    "eval": ["--correct_func", "--answer_func", "--output_path", "--num_samples", "--use_vllm", "--vllm_mode"],
+}
 
 
 def test_help(tmp_path):
@@ -106,12 +128,31 @@ def test_train_command(tiny_model_path, tmp_path):
     data = write_jsonl(tmp_path / "data.jsonl", rows)
     output_dir = tmp_path / "out"
     result = run_cli(
-        ["train", "--model_name_or_path", tiny_model_path, "--dataset_name", str(data),
-         "--output_dir", str(output_dir), "--max_steps", "2", "--per_device_train_batch_size", "4",
-         "--learning_rate", "1e-3", "--bf16", "False", "--save_strategy", "no", "--report_to", "none",
-         "--num_processes", "1"],
+        [
+            "train",
+            "--model_name_or_path",
+            tiny_model_path,
+            "--dataset_name",
+            str(data),
+            "--output_dir",
+            str(output_dir),
+            "--max_steps",
+            "2",
+            "--per_device_train_batch_size",
+            "4",
+            "--learning_rate",
+            "1e-3",
+            "--bf16",
+            "False",
+            "--save_strategy",
+            "no",
+            "--report_to",
+            "none",
+            "--num_processes",
+            "1",
+        ],
         cwd=tmp_path,
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "positives" in result.stdout and "negatives" in result.stdout
     assert f"Model saved to {output_dir}" in result.stdout
@@ -121,18 +162,42 @@ def test_train_command(tiny_model_path, tmp_path):
 
 def test_sample_command(tiny_model_path, tmp_path):
     (tmp_path / "my_rewards.py").write_text(
-        "def length_reward(completions, **kwargs):\n"
-        "    return [len(c[-1]['content']) / 10 for c in completions]\n"
+        "def length_reward(completions, **kwargs):\n    return [len(c[-1]['content']) / 10 for c in completions]\n"
     )
     output = tmp_path / "samples" / "gsm8k.jsonl"
     result = run_cli(
-        ["sample", "--model_name_or_path", tiny_model_path, "--dataset_name", str(prompts_file(tmp_path)),
-         "--prompt_column", "question", "--conversational",
-         "--reward_funcs", "my_rewards.length_reward", "trl_topr.rewards.gsm8k_reward", "gsm8k_invalid",
-         "--reward_weights", "0.5", "1", "0", "--num_samples", "2", "--max_new_tokens", "6", "--batch_size", "2",
-         "--top_k", "50", "--seed", "1", "--output_path", str(output)],
+        [
+            "sample",
+            "--model_name_or_path",
+            tiny_model_path,
+            "--dataset_name",
+            str(prompts_file(tmp_path)),
+            "--prompt_column",
+            "question",
+            "--conversational",
+            "--reward_funcs",
+            "my_rewards.length_reward",
+            "trl_topr.rewards.gsm8k_reward",
+            "gsm8k_invalid",
+            "--reward_weights",
+            "0.5",
+            "1",
+            "0",
+            "--num_samples",
+            "2",
+            "--max_new_tokens",
+            "6",
+            "--batch_size",
+            "2",
+            "--top_k",
+            "50",
+            "--seed",
+            "1",
+            "--output_path",
+            str(output),
+        ],
         cwd=tmp_path,
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "] Precision: " in result.stderr and "bf16 needs" in result.stderr  # the choice and why, printed
     rows = [json.loads(line) for line in output.read_text().splitlines()]
@@ -154,10 +219,23 @@ def test_sample_command(tiny_model_path, tmp_path):
 def test_eval_command(tiny_model_path, tmp_path):
     output = tmp_path / "metrics.json"
     result = run_cli(
-        ["eval", "--model_name_or_path", tiny_model_path, "--dataset_name", str(prompts_file(tmp_path, n=3)),
-         "--prompt_column", "question", "--num_samples", "2", "--max_new_tokens", "6", "--output_path", str(output)],
+        [
+            "eval",
+            "--model_name_or_path",
+            tiny_model_path,
+            "--dataset_name",
+            str(prompts_file(tmp_path, n=3)),
+            "--prompt_column",
+            "question",
+            "--num_samples",
+            "2",
+            "--max_new_tokens",
+            "6",
+            "--output_path",
+            str(output),
+        ],
         cwd=tmp_path,
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     metrics = json.loads(result.stdout[result.stdout.index("{") :])
     assert set(metrics) == METRICS and all(0 <= value <= 1 for name, value in metrics.items() if name != "mean_length")

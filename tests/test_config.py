@@ -34,10 +34,20 @@ def test_every_field_has_help():
 def test_command_line_parsing():
     (args,) = HfArgumentParser(TOPRConfig).parse_args_into_dataclasses(
         [
-            "--output_dir", "x", "--use_cpu", "--report_to", "none", "--loss_type", "tis",
-            "--negative_ratio_bounds", "0.1", "0.9", "--target_positive_fraction", "0.2",
+            "--output_dir",
+            "x",
+            "--use_cpu",
+            "--report_to",
+            "none",
+            "--loss_type",
+            "tis",
+            "--negative_ratio_bounds",
+            "0.1",
+            "0.9",
+            "--target_positive_fraction",
+            "0.2",
         ]
-    )  # fmt: skip
+    )
     assert args.loss_type == "tis"
     assert args.negative_ratio_bounds == [0.1, 0.9]
     assert args.target_positive_fraction == 0.2

@@ -57,16 +57,33 @@ def test_two_processes_agree_with_one_on_the_behavior_logps(tiny_model_path, tmp
     output_dir = tmp_path / "out"
     output_dir.mkdir()
     # `--multi_gpu` selects accelerate's torch.distributed launcher; without a GPU the processes use gloo on CPU.
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               str(script), tiny_model_path, str(data_path), str(output_dir)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(script),
+        tiny_model_path,
+        str(data_path),
+        str(output_dir),
+    ]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    )
     assert result.returncode == 0, result.stderr[-3000:]
 
     ranks = [json.loads((output_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
-    single = TOPRTrainer(tiny_model_path, args=make_args(tmp_path / "single"),
-                         train_dataset=Dataset.from_json(str(data_path)))
+    single = TOPRTrainer(
+        tiny_model_path, args=make_args(tmp_path / "single"), train_dataset=Dataset.from_json(str(data_path))
+    )
     expected = single.train_dataset["behavior_logps"]
     for rank in ranks:
         assert rank["world"] == 2
@@ -123,11 +140,26 @@ def test_loop_under_two_processes_trains_the_same_weights_everywhere(tiny_model_
     script = tmp_path / "loop_worker.py"
     script.write_text(LOOP_WORKER.format(tests=str(Path(__file__).parent)))
     output_dir = tmp_path / "loop"
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               str(script), tiny_model_path, str(output_dir)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(script),
+        tiny_model_path,
+        str(output_dir),
+    ]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     round_dir = output_dir / "round-1"
     digests = [(round_dir / f"weights-rank{r}.txt").read_text() for r in (0, 1)]

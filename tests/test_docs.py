@@ -4,7 +4,7 @@ import doctest
 
 import pytest
 
-import trl_topr.composition
+import trl_topr.baseline
 import trl_topr.curation
 import trl_topr.data
 import trl_topr.distributed
@@ -21,9 +21,21 @@ import trl_topr.verifier
 
 @pytest.mark.parametrize(
     "module",
-    [trl_topr.loss, trl_topr.composition, trl_topr.curation, trl_topr.data, trl_topr.evaluation, trl_topr.online,
-     trl_topr.precision, trl_topr.rewards, trl_topr.sampling, trl_topr.trainer, trl_topr.verifier,
-     trl_topr.generation.settings, trl_topr.distributed],
+    [
+        trl_topr.loss,
+        trl_topr.baseline,
+        trl_topr.curation,
+        trl_topr.data,
+        trl_topr.evaluation,
+        trl_topr.online,
+        trl_topr.precision,
+        trl_topr.rewards,
+        trl_topr.sampling,
+        trl_topr.trainer,
+        trl_topr.verifier,
+        trl_topr.generation.settings,
+        trl_topr.distributed,
+    ],
 )
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
@@ -38,8 +50,11 @@ def test_ci_runs_both_of_readme_commands_verbatim():
 
     root = Path(__file__).resolve().parents[1]
     readme = (root / "README.md").read_text()
-    commands = [line for line in readme.split("```bash", 1)[1].split("```", 1)[0].splitlines()
-                if line.strip() and not line.startswith("#")]
+    commands = [
+        line
+        for line in readme.split("```bash", 1)[1].split("```", 1)[0].splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     assert len(commands) == 2 and "recipes/gsm8k.py" in commands[0] and "pytest" in commands[1]
     ci = (root / ".ci" / "run").read_text()
     for command in commands:

@@ -58,13 +58,26 @@ WEIGHT_TOLERANCE = dict(atol=1e-5, rtol=1e-4)
 METRIC_TOLERANCE = dict(atol=1e-5, rtol=1e-4)
 # Means over the micro-batch's sequences, extrema, and values every process shares: any equal-size split agrees.
 SPLIT_INVARIANT = {
-    "loss", "grad_norm", "learning_rate", "epoch", "reward", "positive_fraction", "baseline", "log_ratio_mean",
-    "log_ratio_min", "log_ratio_max", "completion_length",
+    "loss",
+    "grad_norm",
+    "learning_rate",
+    "epoch",
+    "reward",
+    "positive_fraction",
+    "baseline",
+    "log_ratio_mean",
+    "log_ratio_min",
+    "log_ratio_max",
+    "completion_length",
 }
 # Ratios of sums over a subset of the micro-batch: agree only when every process holds as many of that subset.
 RATIO_OF_SUMS = {
-    "positive_weight_mean", "negative_weight_mean", "negative_tapered_fraction", "effective_positive_fraction",
-    "negative_weight_share", "entropy",
+    "positive_weight_mean",
+    "negative_weight_mean",
+    "negative_tapered_fraction",
+    "effective_positive_fraction",
+    "negative_weight_share",
+    "entropy",
 }
 
 
@@ -107,8 +120,9 @@ class RecordingTrainer(TOPRTrainer):
 def train(model_path: str, output_dir, config: str, per_device_train_batch_size: int) -> tuple[dict, dict]:
     """Train `config` from `model_path`; return what the process logged and saw, and its final weights."""
     make_dataset, overrides = CONFIGS[config]
-    args = make_args(output_dir, max_steps=MAX_STEPS, per_device_train_batch_size=per_device_train_batch_size,
-                     **overrides)
+    args = make_args(
+        output_dir, max_steps=MAX_STEPS, per_device_train_batch_size=per_device_train_batch_size, **overrides
+    )
     trainer = RecordingTrainer(model_path, args=args, train_dataset=make_dataset())  # behavior log-probs computed
     trainer.train()
     record = {
@@ -138,16 +152,32 @@ def runs(tiny_model_path, tmp_path_factory):
     """Each config trained on 1 process (here) and on 2 (`accelerate launch`, gloo on CPU)."""
     folder = tmp_path_factory.mktemp("equivalence")
     # `--multi_gpu` selects accelerate's torch.distributed launcher; without a GPU the processes use gloo on CPU.
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               __file__, tiny_model_path, str(folder / "multi")]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        __file__,
+        tiny_model_path,
+        str(folder / "multi"),
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    launch = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                              start_new_session=True)  # its own process group: a timeout ends the workers with it
+    launch = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )  # its own process group: a timeout ends the workers with it
     try:
         # The single-process runs use this process's cores while the launched processes start up.
-        single = {config: train(tiny_model_path, folder / f"single-{config}", config, GLOBAL_BATCH)
-                  for config in CONFIGS}
+        single = {
+            config: train(tiny_model_path, folder / f"single-{config}", config, GLOBAL_BATCH) for config in CONFIGS
+        }
         _, stderr = launch.communicate(timeout=300)
     finally:
         if launch.poll() is None:
@@ -156,8 +186,10 @@ def runs(tiny_model_path, tmp_path_factory):
     assert launch.returncode == 0, stderr[-3000:]
     multi = {
         config: [
-            (json.loads((folder / "multi" / f"{config}-rank{rank}.json").read_text()),
-             torch.load(folder / "multi" / f"{config}-rank{rank}.pt"))
+            (
+                json.loads((folder / "multi" / f"{config}-rank{rank}.json").read_text()),
+                torch.load(folder / "multi" / f"{config}-rank{rank}.pt"),
+            )
             for rank in (0, 1)
         ]
         for config in CONFIGS
@@ -176,8 +208,10 @@ def _compare_logs(single: list[dict], multi: list[dict], keys: set[str]) -> None
         assert set(got) == set(want), f"step {step}: logged keys differ"
         for key in sorted(keys & set(want)):
             torch.testing.assert_close(
-                torch.tensor(got[key], dtype=torch.float64), torch.tensor(want[key], dtype=torch.float64),
-                **METRIC_TOLERANCE, msg=lambda m, key=key, step=step: f"step {step}, {key}: {m}",
+                torch.tensor(got[key], dtype=torch.float64),
+                torch.tensor(want[key], dtype=torch.float64),
+                **METRIC_TOLERANCE,
+                msg=lambda m, key=key, step=step: f"step {step}, {key}: {m}",
             )
 
 

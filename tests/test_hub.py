@@ -10,8 +10,9 @@ from trl_topr.embedded import GGUF_NAME, SOURCE
 
 def test_push_to_hub_uploads_the_adapter_and_a_topr_card(hub, tiny_model_path, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_secretTOKEN0123456789")
-    args = make_args(tmp_path / "topr-tiny", max_steps=1, hub_model_id="someone/topr-tiny",
-                     hub_token="hf_secretTOKEN0123456789")
+    args = make_args(
+        tmp_path / "topr-tiny", max_steps=1, hub_model_id="someone/topr-tiny", hub_token="hf_secretTOKEN0123456789"
+    )
     peft_config = LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM")
     trainer = TOPRTrainer(tiny_model_path, args=args, train_dataset=standard_dataset(), peft_config=peft_config)
     trainer.train()
@@ -46,8 +47,12 @@ def test_full_model_push_uploads_weights(hub, tiny_model_path, tmp_path):
 
 def card_after_training(model, tokenizer_path, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    trainer = TOPRTrainer(model, args=make_args(tmp_path / "out", max_steps=1), train_dataset=standard_dataset(),
-                          processing_class=tokenizer)
+    trainer = TOPRTrainer(
+        model,
+        args=make_args(tmp_path / "out", max_steps=1),
+        train_dataset=standard_dataset(),
+        processing_class=tokenizer,
+    )
     trainer.train()
     trainer.save_model()
     return (tmp_path / "out" / "README.md").read_text()

@@ -136,7 +136,9 @@ REPLAY_WORKER = textwrap.dedent(
         return [1.0 if len(text(c)) % 2 == 0 else -1.0 for c in completions]
 
 
-    prompts = Dataset.from_dict({{"prompt": [[{{"role": "user", "content": f"What is {{i}} + 3?"}}] for i in range(4)]}})
+    prompts = Dataset.from_dict(
+        {{"prompt": [[{{"role": "user", "content": f"What is {{i}} + 3?"}}] for i in range(4)]}}
+    )
     args = make_args(output_dir, per_device_train_batch_size=4, max_steps=-1, logging_steps=1, seed=0,
                      learning_rate=1e-2, disable_tqdm=True)
     trl_topr.loop.run_topr_loop(model_path, prompts, even_length, args, num_rounds=3, replay_rounds=2,
@@ -154,8 +156,9 @@ def write_worker(tmp_path, name, template):
 def start(script, *argv, log):
     # Output goes to a file: an unread pipe could fill up and block the child.
     with open(log, "w") as out:
-        return subprocess.Popen([sys.executable, str(script), *map(str, argv)], stdout=out,
-                                stderr=subprocess.STDOUT, env=ENV)
+        return subprocess.Popen(
+            [sys.executable, str(script), *map(str, argv)], stdout=out, stderr=subprocess.STDOUT, env=ENV
+        )
 
 
 def tail(log, n=3000):
@@ -210,10 +213,18 @@ def test_training_killed_mid_run_resumes_from_its_latest_complete_checkpoint(tin
     script = write_worker(tmp_path, "train_worker.py", TRAIN_WORKER)
     killed_dir, reference_dir = tmp_path / "killed", tmp_path / "reference"
     # The uninterrupted reference runs alongside the run that gets killed (same seed and arguments, no sleep).
-    reference = start(script, tiny_model_path, reference_dir, tmp_path / "reference_losses.jsonl", 0, "none",
-                      log=tmp_path / "reference.log")
-    killed = start(script, tiny_model_path, killed_dir, tmp_path / "killed_losses.jsonl", 0.5, "none",
-                   log=tmp_path / "killed.log")
+    reference = start(
+        script,
+        tiny_model_path,
+        reference_dir,
+        tmp_path / "reference_losses.jsonl",
+        0,
+        "none",
+        log=tmp_path / "reference.log",
+    )
+    killed = start(
+        script, tiny_model_path, killed_dir, tmp_path / "killed_losses.jsonl", 0.5, "none", log=tmp_path / "killed.log"
+    )
     try:
         kill_when(lambda: (killed_dir / "checkpoint-4").is_dir(), killed, tmp_path / "killed.log", "checkpoint-4")
         finish(reference, tmp_path / "reference.log")
@@ -233,8 +244,9 @@ def test_training_killed_mid_run_resumes_from_its_latest_complete_checkpoint(tin
     assert [e["step"] for e in killed_losses] == list(range(1, len(killed_losses) + 1))
     assert resumed_from <= len(killed_losses) < MAX_STEPS  # the checkpoint's steps were logged; the run did not end
 
-    resumed = start(script, tiny_model_path, killed_dir, tmp_path / "resumed_losses.jsonl", 0, latest,
-                    log=tmp_path / "resumed.log")
+    resumed = start(
+        script, tiny_model_path, killed_dir, tmp_path / "resumed_losses.jsonl", 0, latest, log=tmp_path / "resumed.log"
+    )
     finish(resumed, tmp_path / "resumed.log")
 
     assert json.loads((killed_dir / "result.json").read_text())["global_step"] == MAX_STEPS
@@ -261,8 +273,11 @@ def test_training_killed_mid_run_resumes_from_its_latest_complete_checkpoint(tin
 
 
 def digests(folder):
-    return {p.name: (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
-            for p in sorted(Path(folder).iterdir()) if p.is_file()}
+    return {
+        p.name: (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+        for p in sorted(Path(folder).iterdir())
+        if p.is_file()
+    }
 
 
 def test_loop_killed_in_round_two_redoes_only_that_round(tiny_model_path, tmp_path):
@@ -274,8 +289,11 @@ def test_loop_killed_in_round_two_redoes_only_that_round(tiny_model_path, tmp_pa
     first = start(script, tiny_model_path, output_dir, curate_log, 2, log=tmp_path / "first.log")
 
     def in_round_two():
-        return ([r["round"] for r in read_jsonl(metrics)] == [0, 1] and (output_dir / "round-2").is_dir()
-                and [c["call"] for c in read_jsonl(curate_log)] == [1, 2])
+        return (
+            [r["round"] for r in read_jsonl(metrics)] == [0, 1]
+            and (output_dir / "round-2").is_dir()
+            and [c["call"] for c in read_jsonl(curate_log)] == [1, 2]
+        )
 
     kill_when(in_round_two, first, tmp_path / "first.log", "round 2")
     lines_before = metrics.read_text().splitlines()
@@ -327,8 +345,10 @@ def test_loop_killed_while_training_a_replayed_round_resumes_to_the_same_model(t
     assert read_jsonl(killed / "metrics.jsonl") == read_jsonl(whole / "metrics.jsonl")
     rounds = read_jsonl(whole / "metrics.jsonl")
     assert rounds[3]["num_train_rows"] == 24 and rounds[3]["age_2/rows"] == 8  # the round replayed rounds 1 and 2
-    resumed, uninterrupted = load_file(killed / "round-3" / "model.safetensors"), load_file(
-        whole / "round-3" / "model.safetensors")
+    resumed, uninterrupted = (
+        load_file(killed / "round-3" / "model.safetensors"),
+        load_file(whole / "round-3" / "model.safetensors"),
+    )
     assert resumed.keys() == uninterrupted.keys()
     assert all(torch.equal(resumed[name], uninterrupted[name]) for name in resumed)
     before = load_file(whole / "round-2" / "model.safetensors")

@@ -7,7 +7,7 @@ from conftest import make_args
 from datasets import Dataset
 
 from trl_topr import TOPRTrainer
-from trl_topr.behavior import completion_logps
+from trl_topr.logprobs import completion_logps
 
 
 def paired_dataset() -> Dataset:
@@ -36,8 +36,14 @@ def mean_sequence_logps(trainer) -> tuple[float, float]:
 
 
 def test_topr_raises_positives_and_lowers_negatives(tiny_model_path, tmp_path):
-    args = make_args(tmp_path, max_steps=150, learning_rate=3e-3, logging_steps=10, per_device_train_batch_size=8,
-                     lr_scheduler_type="constant")
+    args = make_args(
+        tmp_path,
+        max_steps=150,
+        learning_rate=3e-3,
+        logging_steps=10,
+        per_device_train_batch_size=8,
+        lr_scheduler_type="constant",
+    )
     trainer = TOPRTrainer(tiny_model_path, args=args, train_dataset=paired_dataset())
     positive_before, negative_before = mean_sequence_logps(trainer)
     trainer.train()
@@ -45,8 +51,10 @@ def test_topr_raises_positives_and_lowers_negatives(tiny_model_path, tmp_path):
 
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert all(math.isfinite(loss) for loss in losses)
-    print(f"log pi of positives {positive_before:.1f} -> {positive_after:.1f}, "
-          f"negatives {negative_before:.1f} -> {negative_after:.1f}")
+    print(
+        f"log pi of positives {positive_before:.1f} -> {positive_after:.1f}, "
+        f"negatives {negative_before:.1f} -> {negative_after:.1f}"
+    )
     assert positive_after > positive_before + 5.0, (positive_before, positive_after)
     assert negative_after < negative_before - 5.0, (negative_before, negative_after)
     # the negatives fell away from mu: their weight is tapered below 1, which bounds the push-down

@@ -36,22 +36,47 @@ def reward(prompts, completions, answer, **kwargs):
 
 
 def prompts(n, offset=0):
-    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"What is {i} + 3?"}] for i in range(offset, offset + n)],
-                              "answer": [str(i + 3) for i in range(offset, offset + n)]})
+    return Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": f"What is {i} + 3?"}] for i in range(offset, offset + n)],
+            "answer": [str(i + 3) for i in range(offset, offset + n)],
+        }
+    )
 
 
 def test_evaluate_policy_counts_greedy_sampled_majority_and_invalid(tiny_model_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
-    metrics = evaluate_policy(model, tokenizer, prompts(3), correct, last_number, num_samples=3, max_new_tokens=8,
-                              progress=False)
-    assert set(metrics) == {"pass@1_greedy", "pass@1", "maj@3", "invalid_rate", "invalid_rate_greedy",
-                            "truncated_rate", "mean_length"}
+    metrics = evaluate_policy(
+        model,
+        tokenizer,
+        prompts(3),
+        correct,
+        last_number,
+        progress=False,
+        sampling=SamplingSettings(num_samples=3, max_new_tokens=8, seed=0),
+    )
+    assert set(metrics) == {
+        "pass@1_greedy",
+        "pass@1",
+        "maj@3",
+        "invalid_rate",
+        "invalid_rate_greedy",
+        "truncated_rate",
+        "mean_length",
+    }
     assert all(0.0 <= v <= 1.0 for k, v in metrics.items() if k != "mean_length")
     assert 1.0 <= metrics["mean_length"] <= 8.0
     # an answer function that never finds an answer: everything invalid, no majority
-    none = evaluate_policy(model, tokenizer, prompts(2), correct, lambda t: None, num_samples=2, max_new_tokens=4,
-                           progress=False)
+    none = evaluate_policy(
+        model,
+        tokenizer,
+        prompts(2),
+        correct,
+        lambda t: None,
+        progress=False,
+        sampling=SamplingSettings(num_samples=2, max_new_tokens=4, seed=0),
+    )
     assert none["invalid_rate"] == 1.0 and none["maj@2"] == 0.0
 
 
@@ -74,11 +99,25 @@ def test_evaluate_policy_majority_vote_and_truncation_are_exact(tiny_model_path)
     three, nine, four = (tokenizer.encode(n, add_special_tokens=False) for n in "394")
     letter = tokenizer.encode("a", add_special_tokens=False)
     assert len(three) == len(nine) == len(four) == len(letter) == 1
-    sampled = [three + [eos], three + letter * 3, nine + letter * 2 + [eos],
-               nine + [eos] + letter * 2, nine + letter * 3, four + [eos]]  # fmt: skip
+    sampled = [
+        three + [eos],
+        three + letter * 3,
+        nine + letter * 2 + [eos],
+        nine + [eos] + letter * 2,
+        nine + letter * 3,
+        four + [eos],
+    ]
     engine = ScriptedEngine(tokenizer, greedy=[three + [eos], nine + [eos]], sampled=sampled)
-    metrics = evaluate_policy(None, tokenizer, prompts(2), correct, last_number, num_samples=3, max_new_tokens=4,
-                              progress=False, engine=engine)  # fmt: skip
+    metrics = evaluate_policy(
+        None,
+        tokenizer,
+        prompts(2),
+        correct,
+        last_number,
+        progress=False,
+        engine=engine,
+        sampling=SamplingSettings(num_samples=3, max_new_tokens=4, seed=0),
+    )
     assert metrics["pass@1_greedy"] == 0.5
     assert metrics["pass@1"] == pytest.approx(3 / 6)
     assert metrics["maj@3"] == 0.5
@@ -90,16 +129,26 @@ def test_evaluate_policy_majority_vote_and_truncation_are_exact(tiny_model_path)
 def test_loop_runs_rounds_writes_metrics_and_resumes(tiny_model_path, tmp_path):
     args = make_args(tmp_path / "loop", per_device_train_batch_size=4, max_steps=-1, logging_steps=1)
     kwargs = dict(
-        eval_prompts=prompts(2, offset=10), correct_func=correct, answer_func=last_number,
-        sampling=SamplingSettings(num_samples=2, max_new_tokens=8), progress=False,
+        eval_prompts=prompts(2, offset=10),
+        correct_func=correct,
+        answer_func=last_number,
+        sampling=SamplingSettings(num_samples=2, max_new_tokens=8),
+        progress=False,
         eval_sampling=SamplingSettings(num_samples=2, max_new_tokens=8, seed=0),
         curate=lambda samples: samples.select(range(len(samples) - 1)),  # proves the curation step runs
-    )  # fmt: skip
+    )
     rounds = run_topr_loop(tiny_model_path, prompts(4), correct, args, num_rounds=1, **kwargs)
     assert [r["round"] for r in rounds] == [0, 1]
     assert rounds[1]["num_samples"] == 8 and rounds[1]["num_train_rows"] == 7
-    for name in ("reward", "pass@1", "pass@1_greedy", "maj@2", "invalid_rate", "effective_positive_fraction",
-                 "train_loss"):
+    for name in (
+        "reward",
+        "pass@1",
+        "pass@1_greedy",
+        "maj@2",
+        "invalid_rate",
+        "effective_positive_fraction",
+        "train_loss",
+    ):
         assert math.isfinite(rounds[1][name]), name
     round_1 = tmp_path / "loop" / "round-1"
     assert {"model.safetensors", "samples.jsonl", "README.md", "trainer_state.json"} <= set(os.listdir(round_1))
@@ -145,8 +194,15 @@ def test_loop_frees_each_rounds_trainer_model_and_optimizer(tiny_model_path, tmp
     trained = []
     monkeypatch.setattr(trl_topr.loop, "TOPRTrainer", recording_trainer(trained))
     args = make_args(tmp_path / "loop", per_device_train_batch_size=4, max_steps=-1)
-    run_topr_loop(tiny_model_path, prompts(2), correct, args, num_rounds=2, progress=False,
-                  sampling=SamplingSettings(num_samples=2, max_new_tokens=4))  # fmt: skip
+    run_topr_loop(
+        tiny_model_path,
+        prompts(2),
+        correct,
+        args,
+        num_rounds=2,
+        progress=False,
+        sampling=SamplingSettings(num_samples=2, max_new_tokens=4),
+    )
     assert [name for name, _ in trained].count("optimizer") == 2  # both rounds recorded
     assert alive(trained) == []
 
@@ -172,21 +228,35 @@ def test_a_one_sided_round_trains_with_baseline_0_under_a_target_fraction(tiny_m
 def test_loop_evaluates_named_sets_as_trl_eval_dataset_dicts(tiny_model_path, tmp_path):
     # A dict of held-out sets: each evaluated every round, its metrics named after it, and equal to the metrics of the
     # same set given alone (the same engine, prompts and sampling seed)
-    options = dict(correct_func=correct, answer_func=last_number, progress=False, num_rounds=0,
-                   eval_sampling=SamplingSettings(num_samples=2, max_new_tokens=8, seed=0))  # fmt: skip
+    options = dict(
+        correct_func=correct,
+        answer_func=last_number,
+        progress=False,
+        num_rounds=0,
+        eval_sampling=SamplingSettings(num_samples=2, max_new_tokens=8, seed=0),
+    )
     sets = {"validation": prompts(2, offset=10), "test": prompts(3, offset=20)}
-    named = run_topr_loop(tiny_model_path, prompts(2), correct, make_args(tmp_path / "named"), eval_prompts=sets,
-                          **options)[0]  # fmt: skip
+    named = run_topr_loop(
+        tiny_model_path, prompts(2), correct, make_args(tmp_path / "named"), eval_prompts=sets, **options
+    )[0]
     for name, dataset in sets.items():
-        alone = run_topr_loop(tiny_model_path, prompts(2), correct, make_args(tmp_path / name), eval_prompts=dataset,
-                              **options)[0]  # fmt: skip
+        alone = run_topr_loop(
+            tiny_model_path, prompts(2), correct, make_args(tmp_path / name), eval_prompts=dataset, **options
+        )[0]
         assert {key: value for key, value in alone.items() if key != "round"} == {
-            key.removeprefix(f"{name}/"): value for key, value in named.items() if key.startswith(f"{name}/")}
+            key.removeprefix(f"{name}/"): value for key, value in named.items() if key.startswith(f"{name}/")
+        }
     assert "pass@1" not in named and {"validation/pass@1", "test/pass@1_greedy"} <= set(named)
     bad = prompts(2).rename_column("prompt", "question")
     with pytest.raises(TOPRDataError, match="eval prompts 'test'"):
-        run_topr_loop(tiny_model_path, prompts(2), correct, make_args(tmp_path / "bad"),
-                      eval_prompts={"validation": prompts(2), "test": bad}, **options)  # fmt: skip
+        run_topr_loop(
+            tiny_model_path,
+            prompts(2),
+            correct,
+            make_args(tmp_path / "bad"),
+            eval_prompts={"validation": prompts(2), "test": bad},
+            **options,
+        )
     with pytest.raises(ValueError, match="empty dict"):
         run_topr_loop(tiny_model_path, prompts(2), correct, make_args(tmp_path / "bad"), eval_prompts={}, **options)
     assert not (tmp_path / "bad").exists()  # refused before anything was written
@@ -202,8 +272,16 @@ def test_loop_with_lora_merges_each_rounds_adapter(tiny_model_path, tmp_path):
 
     args = make_args(tmp_path / "lora", per_device_train_batch_size=4, max_steps=-1, learning_rate=1e-2)
     peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    rounds = run_topr_loop(tiny_model_path, prompts(4), correct, args, num_rounds=2, peft_config=peft_config,
-                           sampling=SamplingSettings(num_samples=2, max_new_tokens=8), progress=False)
+    rounds = run_topr_loop(
+        tiny_model_path,
+        prompts(4),
+        correct,
+        args,
+        num_rounds=2,
+        peft_config=peft_config,
+        sampling=SamplingSettings(num_samples=2, max_new_tokens=8),
+        progress=False,
+    )
     assert [r["round"] for r in rounds] == [0, 1, 2]
     for r in (1, 2):
         files = set(os.listdir(tmp_path / "lora" / f"round-{r}"))
@@ -219,17 +297,23 @@ def test_quantized_loop_needs_an_adapter(tiny_model_path, tmp_path):
     from transformers import BitsAndBytesConfig
 
     with pytest.raises(ValueError, match="peft_config"):
-        run_topr_loop(tiny_model_path, prompts(2), correct, make_args(tmp_path),
-                      quantization_config=BitsAndBytesConfig(load_in_4bit=True))
+        run_topr_loop(
+            tiny_model_path,
+            prompts(2),
+            correct,
+            make_args(tmp_path),
+            quantization_config=BitsAndBytesConfig(load_in_4bit=True),
+        )
 
 
 def test_loop_replays_earlier_rounds_with_the_behavior_logps_recorded_when_sampled(tiny_model_path, tmp_path):
     # replay_rounds=2: round r trains on its rows and those of rounds r-1 and r-2, read from their train.jsonl with
     # the mu of their own round. Run for 2 rounds, then resumed for a third after round 1's weights were deleted.
-    from trl_topr.behavior import behavior_logps
+    from trl_topr.logprobs import LogpsSettings, behavior_logps, completion_row
 
-    args = make_args(tmp_path / "replay", per_device_train_batch_size=4, max_steps=-1, logging_steps=1,
-                     learning_rate=1e-2)  # fmt: skip
+    args = make_args(
+        tmp_path / "replay", per_device_train_batch_size=4, max_steps=-1, logging_steps=1, learning_rate=1e-2
+    )
     options = dict(sampling=SamplingSettings(num_samples=2, max_new_tokens=6), progress=False, replay_rounds=2)
     rounds = run_topr_loop(tiny_model_path, prompts(3), reward, args, num_rounds=2, **options)
     folder = tmp_path / "replay"
@@ -240,7 +324,9 @@ def test_loop_replays_earlier_rounds_with_the_behavior_logps_recorded_when_sampl
     assert rounds[2]["age_0/rows"] == rounds[2]["age_1/rows"] == 6 and "age_2/rows" not in rounds[2]
     assert rounds[3]["age_0/rows"] == rounds[3]["age_1/rows"] == rounds[3]["age_2/rows"] == 6
     assert rounds[3]["num_train_rows"] == 18
-    steps = [h for h in json.loads((folder / "round-3" / "trainer_state.json").read_text())["log_history"] if "loss" in h]
+    steps = [
+        h for h in json.loads((folder / "round-3" / "trainer_state.json").read_text())["log_history"] if "loss" in h
+    ]
     assert len(steps) == 5  # 18 rows, batch 4: the round trained on the replayed rows too
     # Own rows on arrival have ratio 1; round 1's rows, under round 3's starting policy (round 2's model), are off by
     # exactly log pi_round2 - log mu_round1, with mu as recorded in round 1's samples
@@ -248,13 +334,13 @@ def test_loop_replays_earlier_rounds_with_the_behavior_logps_recorded_when_sampl
     old = [json.loads(line) for line in (folder / "round-1" / "samples.jsonl").read_text().splitlines()]
     saved = [json.loads(line) for line in (folder / "round-1" / "train.jsonl").read_text().splitlines()]
     assert [r["behavior_logps"] for r in saved] == [r["behavior_logps"] for r in old] and all(
-        r["sample_round"] == 1 for r in saved)
+        r["sample_round"] == 1 for r in saved
+    )
     assert all(r["rewards/reward"] == r["reward"] in (1.0, -1.0) for r in saved)  # a function named `reward`
     model = AutoModelForCausalLM.from_pretrained(folder / "round-2")
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
-    pi = behavior_logps(model, [{"input_ids": r["prompt_ids"] + r["completion_ids"],
-                                 "labels": [-100] * len(r["prompt_ids"]) + r["completion_ids"]} for r in old],
-                        pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    rows = [completion_row(r["prompt_ids"], r["completion_ids"]) for r in old]
+    pi = behavior_logps(model, rows, LogpsSettings(tokenizer.pad_token_id))
     expected = [sum(p) - sum(r["behavior_logps"]) for p, r in zip(pi, old)]
     assert abs(rounds[3]["age_2/log_ratio_mean"] - sum(expected) / len(expected)) < 1e-3
     assert abs(rounds[3]["age_2/log_ratio_mean"]) > 1e-2  # the policy moved: these rows are off-policy
@@ -267,12 +353,95 @@ def test_loop_replays_earlier_rounds_with_the_behavior_logps_recorded_when_sampl
 
 def test_loop_trains_num_train_epochs_per_round(tiny_model_path, tmp_path):
     # Each round trains `args.num_train_epochs` on its own data (TOPRConfig's default: the paper's one epoch)
-    args = make_args(tmp_path / "epochs", per_device_train_batch_size=4, max_steps=-1, logging_steps=1,
-                     num_train_epochs=2)  # fmt: skip
-    run_topr_loop(tiny_model_path, prompts(3), correct, args, num_rounds=1, progress=False,
-                  sampling=SamplingSettings(num_samples=2, max_new_tokens=6))  # fmt: skip
+    args = make_args(
+        tmp_path / "epochs", per_device_train_batch_size=4, max_steps=-1, logging_steps=1, num_train_epochs=2
+    )
+    run_topr_loop(
+        tiny_model_path,
+        prompts(3),
+        correct,
+        args,
+        num_rounds=1,
+        progress=False,
+        sampling=SamplingSettings(num_samples=2, max_new_tokens=6),
+    )
     state = json.loads((tmp_path / "epochs" / "round-1" / "trainer_state.json").read_text())
     assert state["global_step"] == 4 and state["epoch"] == 2  # 6 rows, batch 4: 2 steps an epoch
     from trl_topr import TOPRConfig
 
     assert TOPRConfig(output_dir=str(tmp_path / "default")).num_train_epochs == 1
+
+
+def test_loop_callbacks_see_every_round_and_can_stop_the_loop(tiny_model_path, tmp_path):
+    # Each round: begin, its trainer, its recorded line, in that order (round 0: its line only). An exception in a
+    # callback stops the loop there; the rounds recorded stay, and the loop resumes from them.
+    from trl_topr.loop import LoopCallback
+
+    class Record(LoopCallback):
+        def __init__(self, stop_at=None):
+            self.events, self.stop_at = [], stop_at
+
+        def on_round_begin(self, round_index):
+            if round_index == self.stop_at:
+                raise KeyboardInterrupt(round_index)
+            self.events.append(("begin", round_index))
+
+        def on_trainer_created(self, round_index, trainer):
+            self.events.append(("trainer", round_index, type(trainer).__name__, len(trainer.train_dataset)))
+
+        def on_round_end(self, metrics):
+            self.events.append(("end", metrics["round"]))
+
+    args = make_args(tmp_path / "loop", per_device_train_batch_size=4, max_steps=1)
+    options = dict(sampling=SamplingSettings(num_samples=2, max_new_tokens=4), progress=False)
+    stopper = Record(stop_at=2)
+    with pytest.raises(KeyboardInterrupt):
+        run_topr_loop(tiny_model_path, prompts(2), correct, args, num_rounds=3, callbacks=[stopper], **options)
+    assert stopper.events == [("end", 0), ("begin", 1), ("trainer", 1, "TOPRTrainer", 4), ("end", 1)]
+    assert [r["round"] for r in read_rounds(str(tmp_path / "loop"))] == [0, 1]
+    again = Record()
+    rounds = run_topr_loop(tiny_model_path, prompts(2), correct, args, num_rounds=2, callbacks=[again], **options)
+    assert [r["round"] for r in rounds] == [0, 1, 2]
+    assert again.events == [("begin", 2), ("trainer", 2, "TOPRTrainer", 4), ("end", 2)]
+
+
+def test_a_new_engine_is_one_registry_entry(tiny_model_path, tmp_path, monkeypatch):
+    # The factory picks the engine by name in ENGINES: an engine registered under the name a configuration selects is
+    # what sampling and the loop generate with, built by its `from_config`.
+    import trl_topr.generation as generation
+    from trl_topr import TOPRConfig, sample_completions
+    from trl_topr.generation import ENGINES, TransformersEngine, engine_name, generation_engine
+
+    assert engine_name(None) == engine_name(make_args(tmp_path)) == "transformers"
+    assert engine_name(TOPRConfig(str(tmp_path / "v"), use_vllm=True, use_cpu=True, report_to="none")) == "vllm"
+    assert set(ENGINES) == {"transformers", "vllm"}
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    built = generation_engine(model, tokenizer, make_args(tmp_path, bf16=False))
+    assert type(built) is TransformersEngine and built.bf16 is False and built.model is model
+    assert generation_engine(model, tokenizer).bf16 is None  # no configuration: the engine's defaults
+
+    made = []
+
+    class CountingEngine(TransformersEngine):
+        @classmethod
+        def from_config(cls, model, processing_class, args=None):
+            made.append(args)
+            return super().from_config(model, processing_class, args)
+
+        def _generate_share(self, prompts, settings, progress):
+            made.append(len(prompts))
+            return super()._generate_share(prompts, settings, progress)
+
+    monkeypatch.setitem(generation.ENGINES, "transformers", CountingEngine)
+    args = make_args(tmp_path)
+    data = sample_completions(
+        model,
+        prompts(3),
+        correct,
+        processing_class=tokenizer,
+        args=args,
+        progress=False,
+        sampling=SamplingSettings(num_samples=2, max_new_tokens=4),
+    )
+    assert len(data) == 6 and made == [args, 3]

@@ -123,8 +123,9 @@ def test_tapered_negatives_are_counted_only_when_materially_below_one():
     # under 1, and e^-0.1 (0.905): only the last is tapered.
     logps = torch.zeros(3, 1, dtype=torch.float64)
     behavior = torch.tensor([[4e-6], [-math.log(0.995)], [0.1]], dtype=torch.float64)
-    _, metrics = topr_loss(logps, torch.ones(3, 1, dtype=torch.bool), torch.full((3,), -1.0, dtype=torch.float64),
-                           behavior)  # fmt: skip
+    _, metrics = topr_loss(
+        logps, torch.ones(3, 1, dtype=torch.bool), torch.full((3,), -1.0, dtype=torch.float64), behavior
+    )
     assert metrics["negative_tapered_fraction"].item() == pytest.approx(1 / 3)
     assert metrics["negative_weight_mean"].item() < 1.0  # every one of them is below 1
 
@@ -202,8 +203,9 @@ def test_extreme_log_ratios_give_finite_loss_and_gradients(loss_type, dtype):
     for ratio_level in RATIO_LEVELS:
         leaf = logps.clone().requires_grad_(True)
         per_token = behavior[:, None] / 2 if ratio_level == "token" else behavior
-        loss, metrics = topr_loss(leaf, torch.ones(4, 2), rewards, per_token, loss_type=loss_type,
-                                  ratio_level=ratio_level)
+        loss, metrics = topr_loss(
+            leaf, torch.ones(4, 2), rewards, per_token, loss_type=loss_type, ratio_level=ratio_level
+        )
         loss.backward()
         assert torch.isfinite(loss), (loss_type, ratio_level)
         assert torch.isfinite(leaf.grad).all(), (loss_type, ratio_level)
@@ -298,8 +300,9 @@ def test_any_batch_gives_finite_loss_gradients_and_bounded_weights(
     mask[:, 0] = 1  # at least one completion token per row
     rewards = (torch.rand(batch, generator=generator) * 2 - 1) * reward_scale
     behavior = logps.detach().float() + torch.randn(batch, length, generator=generator) * log_ratio_scale / length
-    loss, metrics = topr_loss(logps, mask, rewards, behavior, loss_type=loss_type, ratio_level=ratio_level,
-                              loss_normalization=normalization)
+    loss, metrics = topr_loss(
+        logps, mask, rewards, behavior, loss_type=loss_type, ratio_level=ratio_level, loss_normalization=normalization
+    )
     loss.backward()
     assert torch.isfinite(loss)
     assert torch.isfinite(logps.grad).all()
@@ -342,8 +345,15 @@ def test_masked_positions_affect_neither_loss_nor_gradient(
     for fill, behavior_fill in ((0.0, 0.0), (garbage, behavior_garbage)):
         logps = torch.where(mask, clean, fill).requires_grad_(True)
         mu = torch.where(mask, behavior, behavior_fill) if per_token_behavior else behavior.sum(-1)
-        loss, metrics = topr_loss(logps, mask.long(), rewards, mu, loss_type=loss_type, ratio_level=ratio_level,
-                                  loss_normalization=normalization)
+        loss, metrics = topr_loss(
+            logps,
+            mask.long(),
+            rewards,
+            mu,
+            loss_type=loss_type,
+            ratio_level=ratio_level,
+            loss_normalization=normalization,
+        )
         loss.backward()
         results.append((loss.detach(), logps.grad, metrics))
     (clean_loss, clean_grad, clean_metrics), (loss, grad, metrics) = results
@@ -366,8 +376,15 @@ def test_token_mean_of_parts_adds_up_to_the_whole_batch(ratio_level):
     part = logps.clone().requires_grad_(True)
     total = 0.0
     for rows in (slice(0, 1), slice(1, 4)):  # 5 tokens, then 8
-        piece, _ = topr_loss(part[rows], mask[rows], rewards[rows], behavior[rows], ratio_level=ratio_level,
-                             loss_normalization="token_mean", num_items_in_batch=mask.sum())
+        piece, _ = topr_loss(
+            part[rows],
+            mask[rows],
+            rewards[rows],
+            behavior[rows],
+            ratio_level=ratio_level,
+            loss_normalization="token_mean",
+            num_items_in_batch=mask.sum(),
+        )
         piece.backward()
         total = total + piece.detach()
     torch.testing.assert_close(total, loss.detach())

@@ -28,9 +28,19 @@ def launch_two_processes(parts: str, engine: str, model_path: str, folder) -> li
     output_dir = folder / "out"
     output_dir.mkdir()
     worker = os.path.join(os.path.dirname(__file__), "vllm_worker.py")
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(accelerate_config(engine, folder)), worker, parts, engine, os.path.dirname(__file__), model_path,
-               str(output_dir)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(accelerate_config(engine, folder)),
+        worker,
+        parts,
+        engine,
+        os.path.dirname(__file__),
+        model_path,
+        str(output_dir),
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=1200, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]

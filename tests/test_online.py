@@ -65,9 +65,20 @@ def test_trains_online_and_tapers_negatives_off_policy(tiny_model_path, tmp_path
     assert all(math.isfinite(loss) for loss in logged(trainer, "loss"))
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
     first = trainer.state.log_history[0]
-    for key in ("positive_fraction", "effective_positive_fraction", "baseline", "positive_weight_mean",
-                "negative_weight_mean", "negative_tapered_fraction", "log_ratio_mean", "log_ratio_min",
-                "log_ratio_max", "entropy", "reward", "rewards/digit_reward/mean"):
+    for key in (
+        "positive_fraction",
+        "effective_positive_fraction",
+        "baseline",
+        "positive_weight_mean",
+        "negative_weight_mean",
+        "negative_tapered_fraction",
+        "log_ratio_mean",
+        "log_ratio_min",
+        "log_ratio_max",
+        "entropy",
+        "reward",
+        "rewards/digit_reward/mean",
+    ):
         assert key in first, key
     # step 1 is on-policy (mu = pi), step 2 off-policy: a ratio away from 1, negatives' weights within [0, 1]
     assert first["log_ratio_mean"] == pytest.approx(0.0, abs=1e-6)
@@ -158,15 +169,49 @@ def test_trl_grpo_script_runs_with_the_class_name_swapped(tiny_model_path, tmp_p
     rows = [{"prompt": [{"role": "user", "content": f"What is {i} + 3?"}]} for i in range(8)]
     (data / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     command = [
-        sys.executable, "grpo_topr.py", "--model_name_or_path", tiny_model_path, "--dataset_name", str(data),
-        "--reward_funcs", "my_rewards.digit_reward",
-        "--output_dir", str(tmp_path / "out"), "--use_cpu", "--bf16", "False", "--report_to", "none",
-        "--num_generations", "2", "--per_device_train_batch_size", "2", "--max_completion_length", "8",
-        "--max_steps", "2", "--logging_steps", "1", "--save_strategy", "no", "--activation_checkpointing", "False",
-        "--loss_type", "topr", "--negative_ratio_bounds", "0", "1", "--steps_per_generation", "2",
+        sys.executable,
+        "grpo_topr.py",
+        "--model_name_or_path",
+        tiny_model_path,
+        "--dataset_name",
+        str(data),
+        "--reward_funcs",
+        "my_rewards.digit_reward",
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--use_cpu",
+        "--bf16",
+        "False",
+        "--report_to",
+        "none",
+        "--num_generations",
+        "2",
+        "--per_device_train_batch_size",
+        "2",
+        "--max_completion_length",
+        "8",
+        "--max_steps",
+        "2",
+        "--logging_steps",
+        "1",
+        "--save_strategy",
+        "no",
+        "--activation_checkpointing",
+        "False",
+        "--loss_type",
+        "topr",
+        "--negative_ratio_bounds",
+        "0",
+        "1",
+        "--steps_per_generation",
+        "2",
     ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     output = result.stdout + result.stderr

@@ -12,9 +12,15 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, OPTConfig, OPTForCausalLM
 
 from trl_topr import TOPRTrainer
-from trl_topr.behavior import completion_logps, completion_rows, to_device, with_fused_lm_head
 from trl_topr.data import DataCollatorForTOPR
-from trl_topr.padding_free import check_sequences_kept_apart, sequence_mixing
+from trl_topr.logprobs import (
+    check_sequences_kept_apart,
+    completion_logps,
+    completion_rows,
+    sequence_mixing,
+    to_device,
+    with_fused_lm_head,
+)
 
 
 # float32: the padded and padding-free forwards sum the same products in another grouping at most
@@ -49,8 +55,9 @@ def batch_of(trainer: TOPRTrainer, padding_free: bool) -> dict:
 
 
 def test_collator_lays_rows_end_to_end_with_their_rewards_and_behavior(tiny_model_path, tmp_path):
-    trainer = TOPRTrainer(tiny_model_path, args=make_args(tmp_path, shuffle_dataset=False),
-                          train_dataset=uneven_dataset())
+    trainer = TOPRTrainer(
+        tiny_model_path, args=make_args(tmp_path, shuffle_dataset=False), train_dataset=uneven_dataset()
+    )
     padded, flat = batch_of(trainer, False), batch_of(trainer, True)
     lengths = padded["attention_mask"].sum(-1)
     assert flat["input_ids"].shape == (1, int(lengths.sum())) and "attention_mask" not in flat
@@ -70,13 +77,15 @@ def test_collator_lays_rows_end_to_end_with_their_rewards_and_behavior(tiny_mode
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("pad_to_multiple_of", [None, 16])
 def test_per_sequence_logps_match_the_padded_path(tiny_model_path, tmp_path, pad_to_multiple_of, device):
-    trainer = TOPRTrainer(tiny_model_path, args=make_args(tmp_path, shuffle_dataset=False),
-                          train_dataset=uneven_dataset())
+    trainer = TOPRTrainer(
+        tiny_model_path, args=make_args(tmp_path, shuffle_dataset=False), train_dataset=uneven_dataset()
+    )
     model = with_fused_lm_head(trainer.model).eval().to(device)
     check_sequences_kept_apart(model, trainer.processing_class.pad_token_id)  # on this device's attention kernels
     padded = to_device(batch_of(trainer, False), device)
-    collator = DataCollatorForTOPR(pad_token_id=trainer.processing_class.pad_token_id, padding_free=True,
-                                   pad_to_multiple_of=pad_to_multiple_of)
+    collator = DataCollatorForTOPR(
+        pad_token_id=trainer.processing_class.pad_token_id, padding_free=True, pad_to_multiple_of=pad_to_multiple_of
+    )
     flat = to_device(collator(list(trainer.train_dataset)), device)
     if pad_to_multiple_of:
         assert flat["input_ids"].size(1) % pad_to_multiple_of == 0
@@ -90,8 +99,9 @@ def test_per_sequence_logps_match_the_padded_path(tiny_model_path, tmp_path, pad
 
 
 def trained(model_path, dataset, folder, padding_free, **kwargs):
-    args = make_args(folder, padding_free=padding_free, max_steps=3, learning_rate=1e-2, shuffle_dataset=False,
-                     **kwargs)
+    args = make_args(
+        folder, padding_free=padding_free, max_steps=3, learning_rate=1e-2, shuffle_dataset=False, **kwargs
+    )
     trainer = TOPRTrainer(model_path, args=args, train_dataset=dataset)
     trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e]
@@ -102,8 +112,13 @@ def trained(model_path, dataset, folder, padding_free, **kwargs):
     "options",
     [
         {},  # sequence-level ratio, per-sequence length normalization: the paper's
-        {"per_token": True, "ratio_level": "token", "loss_normalization": "token_mean",
-         "gradient_accumulation_steps": 2, "per_device_train_batch_size": 2},
+        {
+            "per_token": True,
+            "ratio_level": "token",
+            "loss_normalization": "token_mean",
+            "gradient_accumulation_steps": 2,
+            "per_device_train_batch_size": 2,
+        },
         {"per_token": True, "loss_type": "tis", "loss_normalization": "sum", "baseline": 0.25},
     ],
     ids=["paper", "token-ratio-token-mean-accumulated", "tis-sum"],
@@ -111,8 +126,9 @@ def trained(model_path, dataset, folder, padding_free, **kwargs):
 def test_training_matches_the_padded_path(tiny_model_path, tmp_path, options):
     options = dict(options)
     per_token = options.pop("per_token", False)
-    reference = TOPRTrainer(tiny_model_path, args=make_args(tmp_path / "mu", shuffle_dataset=False),
-                            train_dataset=uneven_dataset())
+    reference = TOPRTrainer(
+        tiny_model_path, args=make_args(tmp_path / "mu", shuffle_dataset=False), train_dataset=uneven_dataset()
+    )
     dataset = with_behavior(uneven_dataset(), reference, shift=0.02, per_token=per_token)
     padded, padded_logs = trained(tiny_model_path, dataset, tmp_path / "padded", False, **options)
     flat, flat_logs = trained(tiny_model_path, dataset, tmp_path / "flat", True, **options)
@@ -131,10 +147,14 @@ def test_training_matches_the_padded_path(tiny_model_path, tmp_path, options):
 
 
 def test_precomputed_behavior_logps_match_the_padded_path(tiny_model_path, tmp_path):
-    padded = TOPRTrainer(tiny_model_path, args=make_args(tmp_path / "a", shuffle_dataset=False),
-                         train_dataset=uneven_dataset())
-    flat = TOPRTrainer(tiny_model_path, args=make_args(tmp_path / "b", shuffle_dataset=False, padding_free=True),
-                       train_dataset=uneven_dataset())
+    padded = TOPRTrainer(
+        tiny_model_path, args=make_args(tmp_path / "a", shuffle_dataset=False), train_dataset=uneven_dataset()
+    )
+    flat = TOPRTrainer(
+        tiny_model_path,
+        args=make_args(tmp_path / "b", shuffle_dataset=False, padding_free=True),
+        train_dataset=uneven_dataset(),
+    )
     for got, want in zip(flat.train_dataset["behavior_logps"], padded.train_dataset["behavior_logps"], strict=True):
         assert len(got) == len(want)
         assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < ATOL
@@ -159,8 +179,16 @@ def test_llama_keeps_flattened_rows_apart(tiny_model_path, attn_implementation):
 
 def opt_model() -> OPTForCausalLM:
     torch.manual_seed(0)
-    config = OPTConfig(vocab_size=260, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
-                       word_embed_proj_dim=32, max_position_embeddings=256, pad_token_id=1)
+    config = OPTConfig(
+        vocab_size=260,
+        hidden_size=32,
+        ffn_dim=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        word_embed_proj_dim=32,
+        max_position_embeddings=256,
+        pad_token_id=1,
+    )
     return OPTForCausalLM(config)
 
 
@@ -174,9 +202,14 @@ def test_a_model_that_mixes_flattened_rows_is_refused_before_anything_is_written
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)  # 260 ids: OPT's vocabulary
     out = tmp_path / "out"
     with pytest.raises(ValueError, match="padding_free=False"):
-        TOPRTrainer(model, args=make_args(out, padding_free=True), train_dataset=uneven_dataset(),
-                    processing_class=tokenizer)
+        TOPRTrainer(
+            model, args=make_args(out, padding_free=True), train_dataset=uneven_dataset(), processing_class=tokenizer
+        )
     assert not out.exists() or not any(out.iterdir())
     # padded, the same model trains
-    TOPRTrainer(model, args=make_args(tmp_path / "padded", max_steps=1), train_dataset=uneven_dataset(),
-                processing_class=tokenizer).train()
+    TOPRTrainer(
+        model,
+        args=make_args(tmp_path / "padded", max_steps=1),
+        train_dataset=uneven_dataset(),
+        processing_class=tokenizer,
+    ).train()

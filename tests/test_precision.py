@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import trl_topr.precision as precision
 from trl_topr import TOPRConfig, evaluate_policy, sample_completions
+from trl_topr.generation import SamplingSettings
 from trl_topr.online import TOPRGRPOConfig
 from trl_topr.sampling import generate_completions
 
@@ -97,7 +98,10 @@ def test_the_probe_runs_once_per_cpu_and_is_cached(monkeypatch, tmp_path):
 
 def test_emulated_bf16_is_measured_slow(tmp_path):
     # torch and oneDNN held to AVX2, as on a CPU without AVX512: bf16 is emulated, and the real probe says so
-    code = "from trl_topr.precision import cpu_bf16_speedup, bf16_is_faster; print(cpu_bf16_speedup(), bf16_is_faster('cpu'))"
+    code = (
+        "from trl_topr.precision import cpu_bf16_speedup, bf16_is_faster; "
+        "print(cpu_bf16_speedup(), bf16_is_faster('cpu'))"
+    )
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -115,23 +119,45 @@ def autocast_seen(model):
 
 
 def test_sampling_and_evaluation_follow_the_rule(native, tiny_model_path, tmp_path):
-    model, tokenizer = AutoModelForCausalLM.from_pretrained(tiny_model_path), AutoTokenizer.from_pretrained(
-        tiny_model_path)
+    model, tokenizer = (
+        AutoModelForCausalLM.from_pretrained(tiny_model_path),
+        AutoTokenizer.from_pretrained(tiny_model_path),
+    )
     seen = autocast_seen(model)
-    generate_completions(model, tokenizer, ["What is 2 + 3?"], num_samples=2, max_new_tokens=3, progress=False)
+    generate_completions(
+        model,
+        tokenizer,
+        ["What is 2 + 3?"],
+        progress=False,
+        sampling=SamplingSettings(num_samples=2, max_new_tokens=3),
+    )
     assert seen and set(seen) == {native}
 
     seen.clear()
     prompts = Dataset.from_dict({"prompt": ["What is 2 + 3?"], "answer": ["5"]})
-    evaluate_policy(model, tokenizer, prompts, lambda completions, **kw: [0.0] * len(completions), lambda text: None,
-                    num_samples=2, max_new_tokens=3, progress=False)
+    evaluate_policy(
+        model,
+        tokenizer,
+        prompts,
+        lambda completions, **kw: [0.0] * len(completions),
+        lambda text: None,
+        progress=False,
+        sampling=SamplingSettings(num_samples=2, max_new_tokens=3, seed=0),
+    )
     assert seen and set(seen) == {native}
 
     # sampling follows its configuration, which follows the rule unless told otherwise
     for bf16 in (None, not native):
         seen.clear()
         args = make_args(tmp_path, bf16=bf16)
-        sample_completions(model, prompts, lambda completions, **kw: [1.0] * len(completions),
-                           processing_class=tokenizer, num_samples=2, max_new_tokens=3, args=args, progress=False)
+        sample_completions(
+            model,
+            prompts,
+            lambda completions, **kw: [1.0] * len(completions),
+            processing_class=tokenizer,
+            args=args,
+            progress=False,
+            sampling=SamplingSettings(num_samples=2, max_new_tokens=3, seed=0),
+        )
         generation = seen[: len(seen) - 1]  # the last forward is the behavior precompute, in the training precision
         assert set(generation) == {args.bf16} and seen[-1] is args.bf16

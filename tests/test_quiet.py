@@ -26,17 +26,23 @@ def test_import_and_save_print_no_third_party_notice(tmp_path):
     # and accelerate imports DeepSpeed when `save_pretrained` unwraps the model. Without the filters, they would log.
     output = run(
         "import sys, trl_topr; from conftest import build_tiny_model; from transformers import AutoModelForCausalLM; "
-        f"AutoModelForCausalLM.from_pretrained(build_tiny_model({str(tmp_path)!r})).save_pretrained({str(tmp_path / 'saved')!r}); "
+        f"AutoModelForCausalLM.from_pretrained(build_tiny_model({str(tmp_path)!r}))"
+        f".save_pretrained({str(tmp_path / 'saved')!r}); "
         "print('imported', 'bitsandbytes' in sys.modules, 'deepspeed' in sys.modules)"
-    )  # fmt: skip
+    )
     assert "imported True True" in output
     assert not [line for line in output.splitlines() if line.strip() and any(noise in line for noise in NOISE)]
 
 
 def test_the_recipes_import_trl_topr_before_the_libraries_that_log():
     for recipe in ("gsm8k", "verifier"):
-        result = subprocess.run([sys.executable, f"recipes/{recipe}.py", "--help"], capture_output=True, text=True,
-                                cwd=ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"))  # fmt: skip
+        result = subprocess.run(
+            [sys.executable, f"recipes/{recipe}.py", "--help"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env=dict(os.environ, HF_HUB_OFFLINE="1"),
+        )
         assert result.returncode == 0, result.stderr
         assert "usage:" in result.stdout and NOISE[0] not in result.stdout + result.stderr
 

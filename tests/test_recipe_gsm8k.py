@@ -23,21 +23,52 @@ import gsm8k  # noqa: E402
 
 def tiny_run(tiny_model_path, output_dir, **overrides):
     """Arguments of a seconds-long run: 4 training questions, 2 samples each, 2 test questions."""
-    script = dict(task="arithmetic", num_shots=1, num_train_prompts=4, num_eval_prompts=2, num_samples=2,
-                  max_new_tokens=8, eval_num_samples=2, sampling_batch_size=8, top_k=0)
+    script = dict(
+        task="arithmetic",
+        num_shots=1,
+        num_train_prompts=4,
+        num_eval_prompts=2,
+        num_samples=2,
+        max_new_tokens=8,
+        eval_num_samples=2,
+        sampling_batch_size=8,
+        top_k=0,
+    )
     script.update({k: v for k, v in overrides.items() if k in gsm8k.GSM8KArguments.__dataclass_fields__})
-    training = dict(output_dir=str(output_dir), use_cpu=True, bf16=False, report_to="none", learning_rate=1e-3,
-                    per_device_train_batch_size=4, activation_checkpointing=False, save_strategy="no", logging_steps=1)
+    training = dict(
+        output_dir=str(output_dir),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        learning_rate=1e-3,
+        per_device_train_batch_size=4,
+        activation_checkpointing=False,
+        save_strategy="no",
+        logging_steps=1,
+    )
     training.update({k: v for k, v in overrides.items() if k in TOPRConfig.__dataclass_fields__})
     return gsm8k.GSM8KArguments(**script), TOPRConfig(**training), ModelConfig(model_name_or_path=tiny_model_path)
 
 
 def test_help_documents_every_argument():
-    result = subprocess.run([sys.executable, str(RECIPES / "gsm8k.py"), "--help"], capture_output=True, text=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(RECIPES / "gsm8k.py"), "--help"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
-    for flag in ("--num_samples", "--top_k", "--curation", "--dataset_path", "--loss_type", "--use_peft",
-                 "--load_in_4bit", "--config"):
+    for flag in (
+        "--num_samples",
+        "--top_k",
+        "--curation",
+        "--dataset_path",
+        "--loss_type",
+        "--use_peft",
+        "--load_in_4bit",
+        "--config",
+    ):
         assert flag in result.stdout, flag
 
 
@@ -86,8 +117,17 @@ def test_num_rounds_0_refuses_to_publish_before_running(tiny_model_path, tmp_pat
 
 @pytest.mark.skipif(not (GSM8K / "train.jsonl").exists(), reason=f"the shared GSM8K data is not present ({GSM8K})")
 def test_real_gsm8k_rows_from_a_local_folder(tiny_model_path, tmp_path):
-    rounds = gsm8k.main(*tiny_run(tiny_model_path, tmp_path / "out", task="gsm8k", dataset_path=str(GSM8K),
-                                  num_shots=2, num_train_prompts=3, max_length=2048))
+    rounds = gsm8k.main(
+        *tiny_run(
+            tiny_model_path,
+            tmp_path / "out",
+            task="gsm8k",
+            dataset_path=str(GSM8K),
+            num_shots=2,
+            num_train_prompts=3,
+            max_length=2048,
+        )
+    )
     samples = [json.loads(line) for line in (tmp_path / "out" / "round-1" / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 6
     # the prompts are real GSM8K questions with a 2-shot chain-of-thought context and gold answers
@@ -99,8 +139,15 @@ def test_real_gsm8k_rows_from_a_local_folder(tiny_model_path, tmp_path):
 
 
 def test_push_to_hub_uploads_the_final_model_with_the_evaluation_table(hub, tiny_model_path, tmp_path):
-    rounds = gsm8k.main(*tiny_run(tiny_model_path, tmp_path / "topr-gsm8k", push_to_hub=True,
-                                  hub_model_id="someone/topr-gsm8k", hub_token="hf_secretTOKEN0123456789"))
+    rounds = gsm8k.main(
+        *tiny_run(
+            tiny_model_path,
+            tmp_path / "topr-gsm8k",
+            push_to_hub=True,
+            hub_model_id="someone/topr-gsm8k",
+            hub_token="hf_secretTOKEN0123456789",
+        )
+    )
     assert hub["repos"] == ["someone/topr-gsm8k"]
     (commit,) = hub["commits"]
     files = set(commit["files"])
@@ -143,11 +190,26 @@ RECIPE_WORKER = textwrap.dedent(
 def test_recipe_under_accelerate_launch_with_two_processes(tiny_model_path, tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(RECIPE_WORKER.format(recipes=str(RECIPES), tests=str(Path(__file__).parent)))
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               str(script), tiny_model_path, str(tmp_path / "out")]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(script),
+        tiny_model_path,
+        str(tmp_path / "out"),
+    ]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     digests = [(tmp_path / "out" / "round-1" / f"weights-rank{r}.txt").read_text() for r in (0, 1)]
     assert digests[0] == digests[1]
@@ -159,11 +221,28 @@ EMBEDDED = RECIPES / "configs" / "embedded_cpu.yaml"
 
 def embedded_args(tiny_model_path, output_dir):
     """The embedded default's configuration file, on the tiny model and at a seconds-long size."""
-    return gsm8k.make_parser().parse_args_and_config([
-        "--config", str(EMBEDDED), "--model_name_or_path", tiny_model_path, "--output_dir", str(output_dir),
-        "--num_train_prompts", "4", "--num_eval_prompts", "2", "--num_samples", "2", "--eval_num_samples", "2",
-        "--max_new_tokens", "6", "--per_device_train_batch_size", "4",
-    ])
+    return gsm8k.make_parser().parse_args_and_config(
+        [
+            "--config",
+            str(EMBEDDED),
+            "--model_name_or_path",
+            tiny_model_path,
+            "--output_dir",
+            str(output_dir),
+            "--num_train_prompts",
+            "4",
+            "--num_eval_prompts",
+            "2",
+            "--num_samples",
+            "2",
+            "--eval_num_samples",
+            "2",
+            "--max_new_tokens",
+            "6",
+            "--per_device_train_batch_size",
+            "4",
+        ]
+    )
 
 
 @pytest.mark.parametrize("fast", [True, False])
@@ -182,11 +261,18 @@ def test_embedded_default_path_raises_no_deprecation_warning(tiny_model_path, tm
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         rounds = gsm8k.main(*embedded_args(tiny_model_path, tmp_path / "out"))
-    deprecations = [f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in caught
-                    if issubclass(w.category, (FutureWarning, DeprecationWarning))]
+    deprecations = [
+        f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})"
+        for w in caught
+        if issubclass(w.category, (FutureWarning, DeprecationWarning))
+    ]
     assert not deprecations, deprecations
     printed = capsys.readouterr().out
     assert f"  invalid rate{'':>10}{rounds[0]['invalid_rate']:>8.3f}{rounds[1]['invalid_rate']:>8.3f}" in printed
-    assert f"Model: {tmp_path / 'out' / 'round-1'}" in printed and f"Plot:  {tmp_path / 'out' / 'metrics.png'}" in printed
-    assert (tmp_path / "out" / "metrics.png").exists() and (tmp_path / "out" / "round-1" / "model.safetensors").exists()
+    assert (
+        f"Model: {tmp_path / 'out' / 'round-1'}" in printed and f"Plot:  {tmp_path / 'out' / 'metrics.png'}" in printed
+    )
+    assert (tmp_path / "out" / "metrics.png").exists() and (
+        tmp_path / "out" / "round-1" / "model.safetensors"
+    ).exists()
     assert "Done in " in printed

@@ -26,20 +26,58 @@ EMBEDDED = RECIPES / "configs" / "verifier_embedded_cpu.yaml"
 
 def tiny_args(tiny_model_path, output_dir, *extra):
     """The embedded configuration file, on the tiny model and at a seconds-long size."""
-    return verifier.make_parser().parse_args_and_config([
-        "--config", str(EMBEDDED), "--model_name_or_path", tiny_model_path, "--output_dir", str(output_dir),
-        "--num_train_questions", "4", "--num_eval_questions", "3", "--num_solutions", "2", "--num_rounds", "1",
-        "--solution_max_new_tokens", "6", "--num_verdicts", "2", "--eval_num_verdicts", "2",
-        "--verdict_max_new_tokens", "6", "--per_device_train_batch_size", "4", "--bf16", "false", *extra,
-    ])  # fmt: skip
+    return verifier.make_parser().parse_args_and_config(
+        [
+            "--config",
+            str(EMBEDDED),
+            "--model_name_or_path",
+            tiny_model_path,
+            "--output_dir",
+            str(output_dir),
+            "--num_train_questions",
+            "4",
+            "--num_eval_questions",
+            "3",
+            "--num_solutions",
+            "2",
+            "--num_rounds",
+            "1",
+            "--solution_max_new_tokens",
+            "6",
+            "--num_verdicts",
+            "2",
+            "--eval_num_verdicts",
+            "2",
+            "--verdict_max_new_tokens",
+            "6",
+            "--per_device_train_batch_size",
+            "4",
+            "--bf16",
+            "false",
+            *extra,
+        ]
+    )
 
 
 def test_help_documents_every_argument():
-    result = subprocess.run([sys.executable, str(RECIPES / "verifier.py"), "--help"], capture_output=True, text=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, str(RECIPES / "verifier.py"), "--help"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
-    for flag in ("--generator_model_name_or_path", "--num_solutions", "--num_verdicts", "--eval_num_verdicts",
-                 "--verdict_max_new_tokens", "--loss_type", "--use_peft", "--config"):  # fmt: skip
+    for flag in (
+        "--generator_model_name_or_path",
+        "--num_solutions",
+        "--num_verdicts",
+        "--eval_num_verdicts",
+        "--verdict_max_new_tokens",
+        "--loss_type",
+        "--use_peft",
+        "--config",
+    ):
         assert flag in result.stdout, flag
 
 
@@ -49,13 +87,24 @@ def test_vote_accuracies_on_real_gsm8k_rows():
         gold = gold_answer(row["answer"])
         answers = [plus_one(gold), gold, plus_one(gold)] if index == 0 else [gold, gold, None]
         for answer in answers:
-            rows.append({"question_index": index, "answer": row["answer"], "predicted": answer,
-                         "correct": answer == gold, "solution": reasoning(row["answer"])})  # fmt: skip
+            rows.append(
+                {
+                    "question_index": index,
+                    "answer": row["answer"],
+                    "predicted": answer,
+                    "correct": answer == gold,
+                    "solution": reasoning(row["answer"]),
+                }
+            )
     # question 0: the majority is wrong, the verifier trusts the one right solution; question 1: all agree
     scores = [0.25, 1.0, 0.0, 0.5, 0.5, 1.0]
     accuracies = verifier.vote_accuracies(rows, scores)
-    assert accuracies == {"pass@1": pytest.approx((1 / 3 + 2 / 3) / 2), "majority_vote": 0.5, "verifier_vote": 1.0,
-                          "best_of_n": 1.0}  # fmt: skip
+    assert accuracies == {
+        "pass@1": pytest.approx((1 / 3 + 2 / 3) / 2),
+        "majority_vote": 0.5,
+        "verifier_vote": 1.0,
+        "best_of_n": 1.0,
+    }
     # a verifier that prefers the wrong answer makes the votes wrong
     assert verifier.vote_accuracies(rows, [1.0, 0.0, 1.0, 0.5, 0.5, 1.0])["best_of_n"] == 0.5
 
@@ -66,9 +115,11 @@ def test_embedded_round_end_to_end(tiny_model_path, tmp_path, capsys):
 
     solutions = json.loads((output_dir / verifier.SOLUTIONS_FILE).read_text())
     assert len(solutions["train"]) == 4 * 2 and len(solutions["test"]) == 3 * 2
-    assert all(row["correct"] == (row["predicted"] is not None and answers_match(row["predicted"],
-                                                                                 gold_answer(row["answer"])))
-               for row in solutions["train"] + solutions["test"])  # fmt: skip
+    assert all(
+        row["correct"]
+        == (row["predicted"] is not None and answers_match(row["predicted"], gold_answer(row["answer"])))
+        for row in solutions["train"] + solutions["test"]
+    )
 
     rounds = results["rounds"]
     assert [r["round"] for r in rounds] == [0, 1]
@@ -114,8 +165,20 @@ def test_num_rounds_0_scores_the_initial_verifier_and_exits_cleanly(tiny_model_p
 
 @pytest.mark.skipif(not (GSM8K / "train.jsonl").exists(), reason=f"the shared GSM8K data is not present ({GSM8K})")
 def test_real_gsm8k_questions_from_a_local_folder(tiny_model_path, tmp_path):
-    verifier.main(*tiny_args(tiny_model_path, tmp_path, "--task", "gsm8k", "--dataset_path", str(GSM8K),
-                             "--num_shots", "1", "--max_length", "2048"))  # fmt: skip
+    verifier.main(
+        *tiny_args(
+            tiny_model_path,
+            tmp_path,
+            "--task",
+            "gsm8k",
+            "--dataset_path",
+            str(GSM8K),
+            "--num_shots",
+            "1",
+            "--max_length",
+            "2048",
+        )
+    )
     solutions = json.loads((tmp_path / verifier.SOLUTIONS_FILE).read_text())
     train = read_gsm8k("train", 5)
     assert solutions["train"][0]["question"] == train[1]["question"]  # after the one-shot example
@@ -125,8 +188,16 @@ def test_real_gsm8k_questions_from_a_local_folder(tiny_model_path, tmp_path):
 
 
 def test_push_to_hub_publishes_the_verifier_with_its_votes(hub, tiny_model_path, tmp_path):
-    verifier.main(*tiny_args(tiny_model_path, tmp_path / "topr-verifier", "--push_to_hub", "true",
-                             "--hub_model_id", "someone/topr-verifier"))  # fmt: skip
+    verifier.main(
+        *tiny_args(
+            tiny_model_path,
+            tmp_path / "topr-verifier",
+            "--push_to_hub",
+            "true",
+            "--hub_model_id",
+            "someone/topr-verifier",
+        )
+    )
     assert hub["repos"] == ["someone/topr-verifier"]
     (commit,) = hub["commits"]
     card = commit["files"]["README.md"].decode()
@@ -160,10 +231,23 @@ def test_recipe_under_accelerate_launch_with_two_processes(engine, tiny_model_pa
 
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(recipes=str(RECIPES), tests=str(Path(__file__).parent)))
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(accelerate_config(engine, tmp_path)), str(script), tiny_model_path, str(tmp_path / "out")]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu"})  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(accelerate_config(engine, tmp_path)),
+        str(script),
+        tiny_model_path,
+        str(tmp_path / "out"),
+    ]
+    result = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     votes = [json.loads((tmp_path / "out" / f"votes-rank{rank}.json").read_text()) for rank in (0, 1)]
     assert votes[0] == votes[1]  # both processes hold every solution and every score

@@ -8,21 +8,33 @@ from conftest import make_args
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl_topr.behavior import behavior_logps
 from trl_topr import TOPRDataError
+from trl_topr.logprobs import LogpsSettings, behavior_logps, completion_row
 from trl_topr.replay import metrics_by_age, read_train_rows, with_replayed_rows
 
 
 def rows_of(round_index, n, invalid):
-    return [{"prompt": f"q{i}", "reward": 1.0 if i % 2 else -1.0, "invalid": invalid, "sample_round": round_index,
-             "prompt_ids": [5, 6], "completion_ids": [7 + i, 8], "behavior_logps": [-1.0, -2.0]} for i in range(n)]
+    return [
+        {
+            "prompt": f"q{i}",
+            "reward": 1.0 if i % 2 else -1.0,
+            "invalid": invalid,
+            "sample_round": round_index,
+            "prompt_ids": [5, 6],
+            "completion_ids": [7 + i, 8],
+            "behavior_logps": [-1.0, -2.0],
+        }
+        for i in range(n)
+    ]
 
 
 def test_replayed_rows_follow_the_rounds_own_and_keep_their_types(tmp_path):
     # round 3 with replay 2 reads rounds 1 and 2; a column empty (None) this round takes the earlier rounds' type
     for round_index, invalid in ((1, 0.0), (2, 1.0)):
         (tmp_path / f"round-{round_index}").mkdir()
-        Dataset.from_list(rows_of(round_index, 2, invalid)).to_json(str(tmp_path / f"round-{round_index}" / "train.jsonl"))
+        Dataset.from_list(rows_of(round_index, 2, invalid)).to_json(
+            str(tmp_path / f"round-{round_index}" / "train.jsonl")
+        )
     own = Dataset.from_list(rows_of(3, 3, None))
     rows = with_replayed_rows(own, tmp_path, 3, 2)
     assert rows["sample_round"] == [3, 3, 3, 1, 1, 2, 2]
@@ -39,8 +51,12 @@ def test_replayed_rows_follow_the_rounds_own_and_keep_their_types(tmp_path):
     [
         ("missing", FileNotFoundError, r"round-2/train.jsonl is missing: round 2's training rows"),
         ("cut mid-line", TOPRDataError, r"round-2/train.jsonl, line 3: not a JSON row"),
-        ("cut at a line's end", TOPRDataError, r"round-2/train.jsonl has 2 rows where round 2 recorded 3: the file "
-                                               r"was cut after line 2"),
+        (
+            "cut at a line's end",
+            TOPRDataError,
+            r"round-2/train.jsonl has 2 rows where round 2 recorded 3: the file "
+            r"was cut after line 2",
+        ),
         ("a row without its mu", TOPRDataError, r"round-2/train.jsonl, line 2: no \['behavior_logps'\]"),
     ],
 )
@@ -74,15 +90,21 @@ def test_metrics_by_age_measure_the_log_ratio_taper_and_weight_share(tiny_model_
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     ids = [([5, 6, 7], [8, 9]), ([5, 6], [10, 11, 12]), ([7, 8], [13]), ([9], [14, 15]), ([5], [16])]
-    pi = behavior_logps(model, [{"input_ids": p + c, "labels": [-100] * len(p) + c} for p, c in ids],
-                        pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    pi = behavior_logps(model, [completion_row(p, c) for p, c in ids], LogpsSettings(tokenizer.pad_token_id))
     shifts, rewards, rounds = [0.0, 0.0, 2.0, -1.0, 3.0], [-1.0, 1.0, -1.0, -1.0, 1.0], [4, 4, 3, 3, 3]
-    rows = Dataset.from_list([
-        {"prompt_ids": p, "completion_ids": c, "reward": r, "sample_round": k,
-         "behavior_logps": [v + shift / len(values) for v in values]}
-        for (p, c), values, shift, r, k in zip(ids, pi, shifts, rewards, rounds)
-    ])  # fmt: skip
-    metrics = metrics_by_age(model, rows, 4, make_args(tmp_path), baseline=0.0, pad_token_id=tokenizer.pad_token_id)
+    rows = Dataset.from_list(
+        [
+            {
+                "prompt_ids": p,
+                "completion_ids": c,
+                "reward": r,
+                "sample_round": k,
+                "behavior_logps": [v + shift / len(values) for v in values],
+            }
+            for (p, c), values, shift, r, k in zip(ids, pi, shifts, rewards, rounds)
+        ]
+    )
+    metrics = metrics_by_age(model, rows, 4, make_args(tmp_path), baseline=0.0, processing_class=tokenizer)
     assert metrics["age_0/rows"] == 2 and metrics["age_1/rows"] == 3
     assert abs(metrics["age_0/log_ratio_mean"]) < 1e-5 and metrics["age_0/negative_tapered_fraction"] == 0.0
     assert metrics["age_1/log_ratio_mean"] == pytest.approx((-2 + 1 - 3) / 3, abs=1e-4)

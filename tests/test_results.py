@@ -47,8 +47,12 @@ def test_no_line_starts_with_a_quoted_value():
 
 
 def test_every_quote_names_a_result_and_every_result_is_read():
-    quoted = {m["name"] for path in report.DOCS for pattern in (report.BLOCK, report.VALUE)
-              for m in pattern.finditer(path.read_text())}  # fmt: skip
+    quoted = {
+        m["name"]
+        for path in report.DOCS
+        for pattern in (report.BLOCK, report.VALUE)
+        for m in pattern.finditer(path.read_text())
+    }
     assert quoted <= set(report.QUOTES)
     report.READ.clear()
     for path in report.DOCS:
@@ -57,8 +61,12 @@ def test_every_quote_names_a_result_and_every_result_is_read():
 
 
 def is_shallow() -> bool:
-    return subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT, capture_output=True,
-                          text=True).stdout.strip() == "true"  # fmt: skip
+    return (
+        subprocess.run(
+            ["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+        == "true"
+    )
 
 
 @pytest.mark.parametrize("folder", sorted(p.name for p in RESULTS.iterdir() if p.is_dir()))
@@ -83,7 +91,7 @@ def test_every_results_folder_records_its_command_and_commit(folder):
         assert ancestor.returncode == 0, f"{folder}: {run['commit']} is not in this branch's history"
 
 
-# ------------------------------------------------------------------------------------ the iterative benchmark's answers
+# ------------------------------------------------------------------------------------ the iterative benchmark's answer
 # docs/benchmarks.md answers its questions in words ("tied", "on every seed", "collapsed"); these hold each answer to
 # the committed fast-scale results, so a re-run that changes the answer fails here until the words change too.
 def fast_results() -> dict:
@@ -116,8 +124,10 @@ def test_fast_answers_off_policy():
     # Q1: with the target fraction 0.8 TOPR with replay ties with positives-only with replay; with baseline 0, below it
     assert tied("topr_peff0.8+replay", "positives_only+replay")
     assert above("positives_only+replay", "topr+replay")
-    last = {m: [run[-1]["test/pass@1"] for run in fast_results()["methods"][m]["runs"]]
-            for m in ("topr_peff0.8+replay", "positives_only+replay")}  # fmt: skip
+    last = {
+        m: [run[-1]["test/pass@1"] for run in fast_results()["methods"][m]["runs"]]
+        for m in ("topr_peff0.8+replay", "positives_only+replay")
+    }
     assert min(last["topr_peff0.8+replay"]) > max(last["positives_only+replay"])  # after the last round: above
     # Q2: replay's gain, seed by seed
     assert above("topr+replay", "topr") and above("topr_peff0.5+replay", "topr_peff0.5")

@@ -9,6 +9,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_topr import TOPRDataError, TOPRTrainer
+from trl_topr.generation import SamplingSettings
 from trl_topr.sampling import sample_completions, score_completions
 
 
@@ -35,12 +36,26 @@ def model_and_tokenizer(tiny_model_path):
 @pytest.mark.parametrize("conversational", [False, True])
 def test_sampled_dataset_follows_the_data_contract(model_and_tokenizer, tmp_path, conversational):
     model, tokenizer = model_and_tokenizer
-    data = sample_completions(model, prompts(conversational), [has_digit, length_bonus], processing_class=tokenizer,
-                              reward_weights=[1.0, 0.5], num_samples=4, max_new_tokens=12,
-                              args=make_args(tmp_path), progress=False)
+    data = sample_completions(
+        model,
+        prompts(conversational),
+        [has_digit, length_bonus],
+        processing_class=tokenizer,
+        reward_weights=[1.0, 0.5],
+        args=make_args(tmp_path),
+        progress=False,
+        sampling=SamplingSettings(num_samples=4, max_new_tokens=12, seed=0),
+    )
     assert len(data) == 12
-    assert {"prompt", "completion", "reward", "behavior_logps", "rewards/has_digit", "rewards/length_bonus",
-            "answer"} <= set(data.column_names)
+    assert {
+        "prompt",
+        "completion",
+        "reward",
+        "behavior_logps",
+        "rewards/has_digit",
+        "rewards/length_bonus",
+        "answer",
+    } <= set(data.column_names)
     assert list(data["answer"]) == ["3"] * 4 + ["4"] * 4 + ["5"] * 4  # prompt columns follow their samples
     for row in data:
         assert row["reward"] == pytest.approx(row["rewards/has_digit"] + 0.5 * row["rewards/length_bonus"])
@@ -55,8 +70,15 @@ def test_training_uses_exactly_the_sampled_token_ids(model_and_tokenizer, tmp_pa
     # would add a newline after it).
     model, tokenizer = model_and_tokenizer
     args = make_args(tmp_path, max_steps=1, per_device_train_batch_size=8)
-    data = sample_completions(model, prompts(conversational, 4), has_digit, processing_class=tokenizer, num_samples=6,
-                              max_new_tokens=5, args=args, progress=False)
+    data = sample_completions(
+        model,
+        prompts(conversational, 4),
+        has_digit,
+        processing_class=tokenizer,
+        args=args,
+        progress=False,
+        sampling=SamplingSettings(num_samples=6, max_new_tokens=5, seed=0),
+    )
     eos = tokenizer.eos_token_id
     cut = [ids for ids in data["completion_ids"] if eos not in ids]
     ended = [ids for ids in data["completion_ids"] if eos in ids]
@@ -77,8 +99,15 @@ def test_training_uses_exactly_the_sampled_token_ids(model_and_tokenizer, tmp_pa
 def test_training_on_the_samples_starts_with_every_ratio_at_one(model_and_tokenizer, tmp_path, bf16):
     model, tokenizer = model_and_tokenizer
     args = make_args(tmp_path, bf16=bf16, max_steps=1, per_device_train_batch_size=24, learning_rate=0.0)
-    data = sample_completions(model, prompts(True, 6), has_digit, processing_class=tokenizer, num_samples=4,
-                              max_new_tokens=16, args=args, progress=False)
+    data = sample_completions(
+        model,
+        prompts(True, 6),
+        has_digit,
+        processing_class=tokenizer,
+        args=args,
+        progress=False,
+        sampling=SamplingSettings(num_samples=4, max_new_tokens=16, seed=0),
+    )
     trainer = TOPRTrainer(model, args=args, train_dataset=data, processing_class=tokenizer)
     trainer.train()  # one step over all 24 rows
     log = trainer.state.log_history[0]
@@ -87,14 +116,16 @@ def test_training_on_the_samples_starts_with_every_ratio_at_one(model_and_tokeni
 
 def test_same_seed_same_samples_and_greedy_is_deterministic(model_and_tokenizer, tmp_path):
     model, tokenizer = model_and_tokenizer
-    kwargs = dict(processing_class=tokenizer, num_samples=3, max_new_tokens=10, args=make_args(tmp_path),
-                  progress=False)
-    first = sample_completions(model, prompts(False), has_digit, seed=1, **kwargs)
-    again = sample_completions(model, prompts(False), has_digit, seed=1, **kwargs)
-    other = sample_completions(model, prompts(False), has_digit, seed=2, **kwargs)
+    kwargs = dict(processing_class=tokenizer, args=make_args(tmp_path), progress=False)
+    settings = SamplingSettings(num_samples=3, max_new_tokens=10)
+    first = sample_completions(model, prompts(False), has_digit, **kwargs, sampling=settings.replace(seed=1))
+    again = sample_completions(model, prompts(False), has_digit, **kwargs, sampling=settings.replace(seed=1))
+    other = sample_completions(model, prompts(False), has_digit, **kwargs, sampling=settings.replace(seed=2))
     assert list(first["completion"]) == list(again["completion"])
     assert list(first["completion"]) != list(other["completion"])
-    greedy = sample_completions(model, prompts(False), has_digit, temperature=0, seed=3, **kwargs)
+    greedy = sample_completions(
+        model, prompts(False), has_digit, **kwargs, sampling=settings.replace(temperature=0, seed=3)
+    )
     completions = list(greedy["completion"])
     assert completions[0] == completions[1] == completions[2]
 
@@ -106,8 +137,15 @@ def test_empty_completions_are_kept_and_trainable(model_and_tokenizer, tmp_path,
     model, tokenizer = model_and_tokenizer
     model.generation_config.forced_eos_token_id = tokenizer.eos_token_id
     args = make_args(tmp_path, max_steps=1, per_device_train_batch_size=6)
-    data = sample_completions(model, prompts(conversational), has_digit, processing_class=tokenizer, num_samples=2,
-                              max_new_tokens=1, args=args, progress=False)
+    data = sample_completions(
+        model,
+        prompts(conversational),
+        has_digit,
+        processing_class=tokenizer,
+        args=args,
+        progress=False,
+        sampling=SamplingSettings(num_samples=2, max_new_tokens=1, seed=0),
+    )
     assert len(data) == 6 and set(data["reward"]) == {-1.0}
     assert all(len(values) >= 1 for values in data["behavior_logps"])
     trainer = TOPRTrainer(model, args=args, train_dataset=data, processing_class=tokenizer)
@@ -120,8 +158,15 @@ def test_samples_train_under_a_max_length_that_cuts_them(model_and_tokenizer, tm
     # trains with the very configuration it was sampled for.
     model, tokenizer = model_and_tokenizer
     args = make_args(tmp_path, max_length=16, max_steps=1, per_device_train_batch_size=6)
-    data = sample_completions(model, prompts(False), has_digit, processing_class=tokenizer, num_samples=2,
-                              max_new_tokens=20, args=args, progress=False)
+    data = sample_completions(
+        model,
+        prompts(False),
+        has_digit,
+        processing_class=tokenizer,
+        args=args,
+        progress=False,
+        sampling=SamplingSettings(num_samples=2, max_new_tokens=20, seed=0),
+    )
     assert max(len(values) for values in data["behavior_logps"]) > 10  # some completions exceed what fits
     trainer = TOPRTrainer(model, args=args, train_dataset=data, processing_class=tokenizer)
     assert max(len(ids) for ids in trainer.train_dataset["input_ids"]) == 16
@@ -131,17 +176,31 @@ def test_samples_train_under_a_max_length_that_cuts_them(model_and_tokenizer, tm
 
 def test_a_prompt_that_fills_max_length_is_refused_before_sampling(model_and_tokenizer, tmp_path, monkeypatch):
     model, tokenizer = model_and_tokenizer
-    long_prompts = prompts(False).map(lambda row, i: {"prompt": row["prompt"] * (10 if i == 2 else 1)},
-                                      with_indices=True)
+    long_prompts = prompts(False).map(
+        lambda row, i: {"prompt": row["prompt"] * (10 if i == 2 else 1)}, with_indices=True
+    )
     monkeypatch.setattr(model, "generate", lambda *a, **k: pytest.fail("generated before checking the prompts"))
     with pytest.raises(TOPRDataError, match=r"column 'prompt', row 2: the prompt has \d+ tokens"):
-        sample_completions(model, long_prompts, has_digit, processing_class=tokenizer, num_samples=2,
-                           max_new_tokens=4, args=make_args(tmp_path, max_length=32), progress=False)
+        sample_completions(
+            model,
+            long_prompts,
+            has_digit,
+            processing_class=tokenizer,
+            args=make_args(tmp_path, max_length=32),
+            progress=False,
+            sampling=SamplingSettings(num_samples=2, max_new_tokens=4, seed=0),
+        )
 
 
 def test_model_given_as_a_path(tiny_model_path, tmp_path):
-    data = sample_completions(tiny_model_path, prompts(False, 2), has_digit, num_samples=2, max_new_tokens=6,
-                              args=make_args(tmp_path), progress=False)
+    data = sample_completions(
+        tiny_model_path,
+        prompts(False, 2),
+        has_digit,
+        args=make_args(tmp_path),
+        progress=False,
+        sampling=SamplingSettings(num_samples=2, max_new_tokens=6, seed=0),
+    )
     assert len(data) == 4 and len(data["behavior_logps"]) == 4
 
 
@@ -159,14 +218,22 @@ def test_reward_functions_of_any_name_sample_and_train(name, model_and_tokenizer
     # A function named like a column of the data contract, or like a prompt column (`answer`), gets its own
     # `rewards/<name>` column and changes no other column.
     model, tokenizer = model_and_tokenizer
-    data = sample_completions(model, prompts(False, 2), [has_digit, named(name, 0.25)], processing_class=tokenizer,
-                              num_samples=2, max_new_tokens=6, args=make_args(tmp_path), progress=False)
+    data = sample_completions(
+        model,
+        prompts(False, 2),
+        [has_digit, named(name, 0.25)],
+        processing_class=tokenizer,
+        args=make_args(tmp_path),
+        progress=False,
+        sampling=SamplingSettings(num_samples=2, max_new_tokens=6, seed=0),
+    )
     assert data[f"rewards/{name}"] == [0.25] * 4
     assert data["reward"] == pytest.approx([r + 0.25 for r in data["rewards/has_digit"]])
     assert data["answer"] == ["3", "3", "4", "4"] and data["prompt"][0] == "What is 0 + 3?"
     assert all(isinstance(c, str) for c in data["completion"]) and all(data["completion_ids"])
-    trainer = TOPRTrainer(model, args=make_args(tmp_path / "train", max_steps=1), train_dataset=data,
-                          processing_class=tokenizer)
+    trainer = TOPRTrainer(
+        model, args=make_args(tmp_path / "train", max_steps=1), train_dataset=data, processing_class=tokenizer
+    )
     trainer.train()
     assert math.isfinite(trainer.state.log_history[0]["loss"])
 
@@ -174,28 +241,51 @@ def test_reward_functions_of_any_name_sample_and_train(name, model_and_tokenizer
 def test_a_sampled_dataset_samples_again(model_and_tokenizer, tmp_path):
     # Sampling's own columns in the prompts (ids, log-probs, rewards) are replaced, not passed to the functions twice
     model, tokenizer = model_and_tokenizer
-    first = sample_completions(model, prompts(False, 2), has_digit, processing_class=tokenizer, num_samples=2,
-                               max_new_tokens=6, args=make_args(tmp_path), progress=False)
-    again = sample_completions(model, first, [has_digit, named("bonus", 1.0)], processing_class=tokenizer,
-                               num_samples=1, max_new_tokens=6, args=make_args(tmp_path), progress=False)
+    first = sample_completions(
+        model,
+        prompts(False, 2),
+        has_digit,
+        processing_class=tokenizer,
+        args=make_args(tmp_path),
+        progress=False,
+        sampling=SamplingSettings(num_samples=2, max_new_tokens=6, seed=0),
+    )
+    again = sample_completions(
+        model,
+        first,
+        [has_digit, named("bonus", 1.0)],
+        processing_class=tokenizer,
+        args=make_args(tmp_path),
+        progress=False,
+        sampling=SamplingSettings(num_samples=1, max_new_tokens=6, seed=0),
+    )
     assert len(again) == 4 and again["rewards/bonus"] == [1.0] * 4
     assert sorted(again.column_names) == sorted({*first.column_names, "rewards/bonus"})
 
 
 def test_two_reward_functions_of_one_name_are_both_named(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
-    with pytest.raises(ValueError, match=r"Two reward functions are named 'reward': .*\.reward \(reward function 0\) "
-                                         r"and .*\.reward \(reward function 2\).*pass a dict"):
-        sample_completions(model, prompts(False, 2), [named("reward", 1.0), has_digit, named("reward", 2.0)],
-                           processing_class=tokenizer, progress=False)
+    with pytest.raises(
+        ValueError,
+        match=r"Two reward functions are named 'reward': .*\.reward \(reward function 0\) "
+        r"and .*\.reward \(reward function 2\).*pass a dict",
+    ):
+        sample_completions(
+            model,
+            prompts(False, 2),
+            [named("reward", 1.0), has_digit, named("reward", 2.0)],
+            processing_class=tokenizer,
+            progress=False,
+        )
 
 
 def test_score_completions_combines_ignores_none_and_names_columns():
     def maybe(prompts, completions, **kwargs):
         return [None, 2.0]
 
-    rewards, per_func = score_completions(["p", "q"], ["a", "b"], {"correct": has_digit, "extra": maybe},
-                                          reward_weights=[1.0, 0.5])
+    rewards, per_func = score_completions(
+        ["p", "q"], ["a", "b"], {"correct": has_digit, "extra": maybe}, reward_weights=[1.0, 0.5]
+    )
     assert rewards == [-1.0, -1.0 + 1.0]
     assert math.isnan(per_func["extra"][0]) and per_func["correct"] == [-1.0, -1.0]
 
@@ -238,11 +328,19 @@ def test_prompt_column_is_required(model_and_tokenizer):
 
 def test_sampling_leaves_the_model_usable_for_training(model_and_tokenizer, tmp_path):
     model, tokenizer = model_and_tokenizer
-    data = sample_completions(model, prompts(False), has_digit, processing_class=tokenizer, num_samples=2,
-                              max_new_tokens=8, args=make_args(tmp_path), progress=False)
+    data = sample_completions(
+        model,
+        prompts(False),
+        has_digit,
+        processing_class=tokenizer,
+        args=make_args(tmp_path),
+        progress=False,
+        sampling=SamplingSettings(num_samples=2, max_new_tokens=8, seed=0),
+    )
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    trainer = TOPRTrainer(model, args=make_args(tmp_path / "train", max_steps=2), train_dataset=data,
-                          processing_class=tokenizer)
+    trainer = TOPRTrainer(
+        model, args=make_args(tmp_path / "train", max_steps=2), train_dataset=data, processing_class=tokenizer
+    )
     trainer.train()
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
 
@@ -281,10 +379,24 @@ def test_behavior_logps_mismatch_compares_the_summed_log_probs():
 def test_vllm_engine_on_gpu(tiny_model_path, tmp_path):
     pytest.importorskip("vllm", reason="vLLM is an optional GPU extra: pip install trl-topr[vllm]")
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path).cuda()
-    args = make_args(tmp_path, use_cpu=False, bf16=False, max_steps=1, per_device_train_batch_size=8,
-                     learning_rate=0.0, use_vllm=True, vllm_gpu_memory_utilization=0.2)
-    data = sample_completions(model, prompts(False, 2), has_digit, num_samples=4, max_new_tokens=8, args=args,
-                              progress=False)
+    args = make_args(
+        tmp_path,
+        use_cpu=False,
+        bf16=False,
+        max_steps=1,
+        per_device_train_batch_size=8,
+        learning_rate=0.0,
+        use_vllm=True,
+        vllm_gpu_memory_utilization=0.2,
+    )
+    data = sample_completions(
+        model,
+        prompts(False, 2),
+        has_digit,
+        args=args,
+        progress=False,
+        sampling=SamplingSettings(num_samples=4, max_new_tokens=8, seed=0),
+    )
     trainer = TOPRTrainer(model, args=args, train_dataset=data)
     trainer.train()
     assert abs(trainer.state.log_history[0]["log_ratio_max"]) < 1e-3

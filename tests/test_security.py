@@ -26,8 +26,9 @@ def test_trust_remote_code_is_off_by_default_and_remote_code_never_runs(tiny_mod
         "from transformers import LlamaConfig\n\nclass EvilConfig(LlamaConfig):\n    model_type = 'evil'\n"
     )
     config = json.loads((folder / "config.json").read_text())
-    config.update(model_type="evil", architectures=["EvilForCausalLM"],
-                  auto_map={"AutoConfig": "configuration_evil.EvilConfig"})
+    config.update(
+        model_type="evil", architectures=["EvilForCausalLM"], auto_map={"AutoConfig": "configuration_evil.EvilConfig"}
+    )
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="trust_remote_code"):
         TOPRTrainer(str(folder), args=make_args(tmp_path / "out"), train_dataset=standard_dataset())
@@ -37,8 +38,15 @@ def test_trust_remote_code_is_off_by_default_and_remote_code_never_runs(tiny_mod
 def test_no_token_in_logs_cards_or_saved_files(tiny_model_path, tmp_path, monkeypatch, caplog, capsys):
     monkeypatch.setenv("HF_TOKEN", ENV_TOKEN)
     output_dir = tmp_path / "out"
-    args = make_args(output_dir, max_steps=2, save_strategy="steps", save_steps=1, hub_token=TOKEN,
-                     hub_model_id="someone/model", log_level="info")
+    args = make_args(
+        output_dir,
+        max_steps=2,
+        save_strategy="steps",
+        save_steps=1,
+        hub_token=TOKEN,
+        hub_model_id="someone/model",
+        log_level="info",
+    )
     with caplog.at_level(logging.DEBUG):
         trainer = TOPRTrainer(tiny_model_path, args=args, train_dataset=standard_dataset())
         trainer.train()

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from conftest import build_tiny_model, make_args
 from datasets import Dataset
 from safetensors.torch import load_file
 
 from trl_topr import TOPRTrainer
+from trl_topr.testing import ACCELERATE_CONFIG_FILES, cpu_launch_config
 
 
 pytestmark = pytest.mark.multiprocess  # each test launches 2 processes (`accelerate launch`, gloo)
@@ -40,33 +40,18 @@ UPDATE_RTOL = 1e-4
 
 def accelerate_config(engine: str, folder: Path) -> Path:
     """The shipped Accelerate configuration of `engine`, for 2 CPU processes."""
-    shipped = {"ddp": "multi_gpu.yaml", "fsdp2": "fsdp.yaml"}.get(engine, f"{engine}.yaml")
-    config = yaml.safe_load((RECIPES / shipped).read_text())  # without a GPU, the "multi-GPU" launcher uses gloo
-    config.update(num_processes=2, mixed_precision="no", use_cpu=True)
-    if engine.startswith("zero"):
-        shipped = config.pop("deepspeed_config")
-        zero = {"stage": shipped["zero_stage"]}
-        if shipped["zero_stage"] == 3:
-            zero.update(stage3_param_persistence_threshold=0,
-                        stage3_gather_16bit_weights_on_model_save=shipped["zero3_save_16bit_model"])
-        ds_config = {"zero_optimization": zero, "train_micro_batch_size_per_gpu": "auto",
-                     "train_batch_size": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}
-        (folder / "ds_config.json").write_text(json.dumps(ds_config))
-        config["deepspeed_config"] = {"deepspeed_config_file": str(folder / "ds_config.json"),
-                                      "zero3_init_flag": shipped.get("zero3_init_flag", False)}
-        del config["mixed_precision"]  # the DeepSpeed file's business (float32 here: no bf16 section)
-    path = folder / "accelerate.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return cpu_launch_config(RECIPES / ACCELERATE_CONFIG_FILES[engine], folder)
 
 
 def data() -> Dataset:
     # 12 rows, completions of different lengths, positives and negatives
-    return Dataset.from_dict({
-        "prompt": [f"What is {i} + 3?" for i in range(12)],
-        "completion": [f" The answer is {i + 3 + i % 2}." + " Yes." * (i % 3) for i in range(12)],
-        "reward": [1.0 if i % 2 == 0 else -1.0 for i in range(12)],
-    })
+    return Dataset.from_dict(
+        {
+            "prompt": [f"What is {i} + 3?" for i in range(12)],
+            "completion": [f" The answer is {i + 3 + i % 2}." + " Yes." * (i % 3) for i in range(12)],
+            "reward": [1.0 if i % 2 == 0 else -1.0 for i in range(12)],
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +65,11 @@ def single_process(models, tmp_path_factory):
     """The reference: one process, the same global batch of 4."""
     folder = tmp_path_factory.mktemp("single")
     data().to_json(str(folder / "data.jsonl"))
-    trainer = TOPRTrainer(models[0], args=make_args(folder / "out", max_steps=6, per_device_train_batch_size=4,
-                                                    learning_rate=1e-2),
-                          train_dataset=Dataset.from_json(str(folder / "data.jsonl")))
+    trainer = TOPRTrainer(
+        models[0],
+        args=make_args(folder / "out", max_steps=6, per_device_train_batch_size=4, learning_rate=1e-2),
+        train_dataset=Dataset.from_json(str(folder / "data.jsonl")),
+    )
     behavior = list(trainer.train_dataset["behavior_logps"])
     trainer.train()
     return {"behavior": behavior, "weights": {k: v.clone() for k, v in trainer.model.state_dict().items()}}
@@ -90,10 +77,21 @@ def single_process(models, tmp_path_factory):
 
 def launch(engine: str, models, folder: Path, lora: bool = False, padding_free: bool = False) -> dict:
     data().to_json(str(folder / "data.jsonl"))
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(accelerate_config(engine, folder)), str(Path(__file__).parent / "sharded_worker.py"), engine,
-               str(Path(__file__).parent), *models, str(folder / "data.jsonl"), str(folder / "out"),
-               "lora" if lora else "full", "padding_free" if padding_free else "padded"]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(accelerate_config(engine, folder)),
+        str(Path(__file__).parent / "sharded_worker.py"),
+        engine,
+        str(Path(__file__).parent),
+        *models,
+        str(folder / "data.jsonl"),
+        str(folder / "out"),
+        "lora" if lora else "full",
+        "padding_free" if padding_free else "padded",
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
@@ -144,8 +142,10 @@ def check_weights(folder: Path, single, models, engine: str, layout: str = "") -
     update_2 = torch.cat([(saved[n].float() - initial[n].float()).flatten() for n in initial])
     relative = ((update_2 - update_1).norm() / update_1.norm()).item()
     # the figures of docs/distributed.md: `pytest -s tests/test_sharded.py -k full` prints them
-    print(f"{engine}{layout}: weights moved up to {update_1.abs().max().item():.1e}; 2 processes vs 1: max "
-          f"{(update_2 - update_1).abs().max().item():.1e}, relative {relative:.1e}")
+    print(
+        f"{engine}{layout}: weights moved up to {update_1.abs().max().item():.1e}; 2 processes vs 1: max "
+        f"{(update_2 - update_1).abs().max().item():.1e}, relative {relative:.1e}"
+    )
     assert relative < UPDATE_RTOL
 
 

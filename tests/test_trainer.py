@@ -1,4 +1,5 @@
-"""TOPRTrainer on a tiny Llama built from a config: data formats, behavior log-probs, PEFT, QLoRA, baselines, resume."""
+"""TOPRTrainer on a tiny Llama built from a config: data formats, behavior log-probs, PEFT, QLoRA, baselines,
+resume."""
 
 import math
 import os
@@ -10,7 +11,6 @@ from conftest import DEVICES, build_tiny_model, conversational_dataset, make_arg
 from datasets import Dataset
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, TrainerCallback
-
 from trl.trainer.utils import add_fused_lm_head
 
 from trl_topr import TOPRDataError, TOPRTrainer
@@ -49,8 +49,18 @@ def test_trains_and_precomputes_behavior_logps_on_policy(tiny_model_path, tmp_pa
     assert first_log(trainer, "negative_weight_mean") == pytest.approx(1.0, abs=1e-5)
     assert all(math.isfinite(loss) for loss in logged(trainer, "loss"))
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
-    for key in ("reward", "positive_fraction", "effective_positive_fraction", "baseline", "negative_weight_mean",
-                "negative_tapered_fraction", "log_ratio_min", "log_ratio_max", "completion_length", "entropy"):
+    for key in (
+        "reward",
+        "positive_fraction",
+        "effective_positive_fraction",
+        "baseline",
+        "negative_weight_mean",
+        "negative_tapered_fraction",
+        "log_ratio_min",
+        "log_ratio_max",
+        "completion_length",
+        "entropy",
+    ):
         assert key in trainer.state.log_history[0], key
 
 
@@ -91,8 +101,9 @@ def test_label_column_maps_to_plus_minus_one(tiny_model_path, tmp_path):
 
 def test_custom_column_names(tiny_model_path, tmp_path):
     dataset = standard_dataset().rename_columns({"prompt": "question", "completion": "answer", "reward": "score"})
-    args = make_args(tmp_path, max_steps=1, prompt_column="question", completion_column="answer",
-                     reward_column="score")
+    args = make_args(
+        tmp_path, max_steps=1, prompt_column="question", completion_column="answer", reward_column="score"
+    )
     trainer = TOPRTrainer(tiny_model_path, args=args, train_dataset=dataset)
     trainer.train()
     assert trainer.train_dataset["reward"] == standard_dataset()["reward"]
@@ -110,16 +121,18 @@ def test_target_positive_fraction_derives_the_baseline(tiny_model_path, tmp_path
 
 
 def test_explicit_baseline_is_used(tiny_model_path, tmp_path):
-    trainer = TOPRTrainer(tiny_model_path, args=make_args(tmp_path, max_steps=1, baseline=0.25),
-                          train_dataset=standard_dataset())
+    trainer = TOPRTrainer(
+        tiny_model_path, args=make_args(tmp_path, max_steps=1, baseline=0.25), train_dataset=standard_dataset()
+    )
     trainer.train()
     assert first_log(trainer, "baseline") == 0.25
 
 
 def test_lora_trains_only_the_adapter_and_saves_it_with_a_card(tiny_model_path, tmp_path):
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    trainer = TOPRTrainer(tiny_model_path, args=make_args(tmp_path), train_dataset=standard_dataset(),
-                          peft_config=peft_config)
+    trainer = TOPRTrainer(
+        tiny_model_path, args=make_args(tmp_path), train_dataset=standard_dataset(), peft_config=peft_config
+    )
     assert isinstance(trainer.model, PeftModel)
     before = weights(trainer.model)
     trainer.train()
@@ -136,13 +149,17 @@ def test_lora_trains_only_the_adapter_and_saves_it_with_a_card(tiny_model_path, 
 def test_accepts_model_objects_and_peft_models(tiny_model_path, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
-    trainer = TOPRTrainer(model, args=make_args(tmp_path, max_steps=1), train_dataset=standard_dataset(),
-                          processing_class=tokenizer)
+    trainer = TOPRTrainer(
+        model, args=make_args(tmp_path, max_steps=1), train_dataset=standard_dataset(), processing_class=tokenizer
+    )
     trainer.train()
-    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path),
-                                LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))
-    trainer = TOPRTrainer(peft_model, args=make_args(tmp_path, max_steps=1), train_dataset=standard_dataset(),
-                          processing_class=tokenizer)
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_path),
+        LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"),
+    )
+    trainer = TOPRTrainer(
+        peft_model, args=make_args(tmp_path, max_steps=1), train_dataset=standard_dataset(), processing_class=tokenizer
+    )
     trainer.train()
     assert math.isfinite(first_log(trainer, "loss"))
 
@@ -164,11 +181,17 @@ def nf4_config():
 def test_qlora_4bit_trains_and_its_saved_adapter_reloads(tmp_path, device):
     # bitsandbytes quantizes in blocks of 64 input features: the model needs hidden sizes of at least 64.
     model_path = build_tiny_model(str(tmp_path / "model"), hidden_size=64)
-    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"],
-                             task_type="CAUSAL_LM")
+    peft_config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"], task_type="CAUSAL_LM"
+    )
     args = make_args(tmp_path / "out", max_steps=3, learning_rate=1e-2, use_cpu=device == "cpu")
-    trainer = TOPRTrainer(model_path, args=args, train_dataset=standard_dataset(),
-                          peft_config=peft_config, quantization_config=nf4_config())
+    trainer = TOPRTrainer(
+        model_path,
+        args=args,
+        train_dataset=standard_dataset(),
+        peft_config=peft_config,
+        quantization_config=nf4_config(),
+    )
     assert trainer.model.get_base_model().is_loaded_in_4bit
     assert trainer.model.device.type == device
     before = weights(trainer.model)
@@ -201,8 +224,9 @@ def test_qlora_4bit_trains_and_its_saved_adapter_reloads(tmp_path, device):
 
 def test_eval_dataset_reports_topr_loss_and_metrics(tiny_model_path, tmp_path):
     args = make_args(tmp_path, max_steps=1, eval_strategy="no")
-    trainer = TOPRTrainer(tiny_model_path, args=args, train_dataset=standard_dataset(),
-                          eval_dataset=conversational_dataset(4))
+    trainer = TOPRTrainer(
+        tiny_model_path, args=args, train_dataset=standard_dataset(), eval_dataset=conversational_dataset(4)
+    )
     assert "behavior_logps" in trainer.eval_dataset.column_names
     metrics = trainer.evaluate()
     assert math.isfinite(metrics["eval_loss"])
@@ -274,10 +298,16 @@ def test_qlora_gradients_match_the_dequantized_model(tmp_path, device):
     import bitsandbytes as bnb
 
     model_path = build_tiny_model(str(tmp_path / "model"), hidden_size=64)
-    peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM",
-                             init_lora_weights=False)  # random B, so every LoRA matrix gets a gradient
-    trainer = TOPRTrainer(model_path, args=make_args(tmp_path / "out", use_cpu=device == "cpu"),
-                          train_dataset=standard_dataset(), peft_config=peft_config, quantization_config=nf4_config())
+    peft_config = LoraConfig(
+        r=4, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM", init_lora_weights=False
+    )  # random B, so every LoRA matrix gets a gradient
+    trainer = TOPRTrainer(
+        model_path,
+        args=make_args(tmp_path / "out", use_cpu=device == "cpu"),
+        train_dataset=standard_dataset(),
+        peft_config=peft_config,
+        quantization_config=nf4_config(),
+    )
     batch = trainer._prepare_inputs(trainer.data_collator([trainer.train_dataset[i] for i in range(4)]))
 
     def lora_gradients(model):
@@ -302,15 +332,17 @@ def test_qlora_gradients_match_the_dequantized_model(tmp_path, device):
 
     assert set(quantized) == set(reference)
     for name in quantized:
-        # TRL keeps QLoRA adapters in bf16 (~3 significant digits): a broken 4-bit backward gives errors near 1 or 0 grads
+        # TRL keeps QLoRA adapters in bf16 (~3 significant digits): a broken 4-bit backward gives errors near 1 or 0
+        # grads
         error = (quantized[name].float() - reference[name]).norm() / reference[name].norm()
         assert quantized[name].abs().sum() > 0 and error < 5e-2, (name, error.item())
 
 
 def test_precompute_runs_in_the_training_precision(tiny_model_path, tmp_path):
     # bf16 autocast in training: mu computed in fp32 would show a spurious log-ratio at step 0.
-    trainer = TOPRTrainer(tiny_model_path, args=make_args(tmp_path, max_steps=1, bf16=True),
-                          train_dataset=standard_dataset())
+    trainer = TOPRTrainer(
+        tiny_model_path, args=make_args(tmp_path, max_steps=1, bf16=True), train_dataset=standard_dataset()
+    )
     trainer.train()
     assert abs(first_log(trainer, "log_ratio_min")) < 1e-3 and abs(first_log(trainer, "log_ratio_max")) < 1e-3
     assert first_log(trainer, "negative_tapered_fraction") == 0.0
@@ -321,8 +353,14 @@ def test_plain_training_arguments_become_a_topr_config(tiny_model_path, tmp_path
 
     from trl_topr import TOPRConfig
 
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1,
-                             per_device_train_batch_size=4, save_strategy="no")
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to="none",
+        max_steps=1,
+        per_device_train_batch_size=4,
+        save_strategy="no",
+    )
     trainer = TOPRTrainer(tiny_model_path, args=args, train_dataset=standard_dataset())
     assert isinstance(trainer.args, TOPRConfig) and trainer.args.loss_type == "topr"
     assert math.isfinite(trainer.train().training_loss)
@@ -345,8 +383,9 @@ def test_evaluate_after_training_does_not_reuse_the_initial_weights_cache(tiny_m
     # initial weights must not be reused for the same file.
     path = tmp_path / "data.jsonl"
     standard_dataset().to_json(str(path))
-    trainer = TOPRTrainer(tiny_model_path, args=make_args(tmp_path / "out", max_steps=3),
-                          train_dataset=Dataset.from_json(str(path)))
+    trainer = TOPRTrainer(
+        tiny_model_path, args=make_args(tmp_path / "out", max_steps=3), train_dataset=Dataset.from_json(str(path))
+    )
     assert Dataset.from_json(str(path)).cache_files  # the caching path is the one exercised
     trainer.train()
     metrics = trainer.evaluate(Dataset.from_json(str(path)))

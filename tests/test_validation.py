@@ -101,8 +101,10 @@ CASES = {
         "expected a number",
     ),
     "mixed standard and conversational columns": (
-        lambda: standard_dataset().remove_columns("completion").add_column(
-            "completion", conversational_dataset()["completion"]
+        lambda: (
+            standard_dataset()
+            .remove_columns("completion")
+            .add_column("completion", conversational_dataset()["completion"])
         ),
         "column 'completion', row 0",
         "expected a string (row 0's prompt is text)",
@@ -165,8 +167,12 @@ def test_sequence_behavior_with_a_truncated_completion_names_the_row(tiny_model_
 
 def test_eval_dataset_is_checked_too(tiny_model_path, tmp_path):
     with pytest.raises(TOPRDataError, match="eval dataset, column 'reward', row 1"):
-        TOPRTrainer(tiny_model_path, args=make_args(tmp_path), train_dataset=standard_dataset(),
-                    eval_dataset=replace(standard_dataset(), "reward", 1, math.nan))
+        TOPRTrainer(
+            tiny_model_path,
+            args=make_args(tmp_path),
+            train_dataset=standard_dataset(),
+            eval_dataset=replace(standard_dataset(), "reward", 1, math.nan),
+        )
 
 
 def test_target_fraction_needs_two_reward_values(tiny_model_path, tmp_path):
@@ -223,13 +229,15 @@ def answer_correct(prompts, completions, answer, **kwargs):
 
 
 def loop_prompts(n: int = 3, **columns) -> Dataset:
-    return Dataset.from_dict({"prompt": [f"What is {i} + 3?" for i in range(n)], "answer": [str(i + 3) for i in range(n)],
-                              **columns})  # fmt: skip
+    return Dataset.from_dict(
+        {"prompt": [f"What is {i} + 3?" for i in range(n)], "answer": [str(i + 3) for i in range(n)], **columns}
+    )
 
 
 def with_row(dataset: Dataset, row: int, prompt) -> Dataset:
-    return Dataset.from_dict({"prompt": [prompt if i == row else p for i, p in enumerate(dataset["prompt"])],
-                              "answer": dataset["answer"]})  # fmt: skip
+    return Dataset.from_dict(
+        {"prompt": [prompt if i == row else p for i, p in enumerate(dataset["prompt"])], "answer": dataset["answer"]}
+    )
 
 
 def cut_line(folder, round_index: int, keep_lines: int, cut_mid_line: bool = False):
@@ -266,55 +274,120 @@ LOOP_CASES = {
     "model in memory": (dict(model="loaded"), TypeError, "`model` is the id or path of the initial model"),
     "args not a TOPRConfig": (dict(args={"output_dir": "x"}), TypeError, "`args` must be a `TOPRConfig`, got a dict"),
     "sampling as a dict": (dict(sampling={"num_samples": 2}), TypeError, "`sampling` must be a `SamplingSettings`"),
-    "eval_sampling as a dict": (dict(eval_sampling={"num_samples": 2}), TypeError,
-                                "`eval_sampling` must be a `SamplingSettings`"),
+    "eval_sampling as a dict": (
+        dict(eval_sampling={"num_samples": 2}),
+        TypeError,
+        "`eval_sampling` must be a `SamplingSettings`",
+    ),
     "engine not an engine": (dict(engine="vllm"), TypeError, "`engine` must be a `GenerationEngine`"),
     "curate not callable": (dict(curate="anna_karenina"), TypeError, "`curate` must be callable, got a str"),
     "answer_func not callable": (dict(answer_func="last"), TypeError, "`answer_func` must be callable"),
-    "train prompts a list": (dict(train_prompts=["What is 1 + 1?"]), TypeError,
-                             "train prompts dataset must be a map-style `datasets.Dataset`, got list"),
-    "train prompts streamed": (dict(train_prompts=loop_prompts().to_iterable_dataset()), TypeError,
-                               "got IterableDataset"),
-    "train prompts without a prompt column": (dict(train_prompts=loop_prompts().rename_column("prompt", "question")),
-                                              TOPRDataError, "train prompts dataset: missing column 'prompt'"),
+    "train prompts a list": (
+        dict(train_prompts=["What is 1 + 1?"]),
+        TypeError,
+        "train prompts dataset must be a map-style `datasets.Dataset`, got list",
+    ),
+    "train prompts streamed": (
+        dict(train_prompts=loop_prompts().to_iterable_dataset()),
+        TypeError,
+        "got IterableDataset",
+    ),
+    "train prompts without a prompt column": (
+        dict(train_prompts=loop_prompts().rename_column("prompt", "question")),
+        TOPRDataError,
+        "train prompts dataset: missing column 'prompt'",
+    ),
     "train prompts empty": (dict(train_prompts=loop_prompts().select([])), TOPRDataError, "has no rows"),
-    "train prompt None": (dict(train_prompts=with_row(loop_prompts(), 2, None)), TOPRDataError,
-                          "train prompts dataset, column 'prompt', row 2: expected a string"),
+    "train prompt None": (
+        dict(train_prompts=with_row(loop_prompts(), 2, None)),
+        TOPRDataError,
+        "train prompts dataset, column 'prompt', row 2: expected a string",
+    ),
     "train prompt with an unknown role": (
-        dict(train_prompts=Dataset.from_dict({"prompt": [[{"role": "user", "content": "hi"}],
-                                                         [{"role": "usr", "content": "hi"}]], "answer": ["1", "2"]})),
-        TOPRDataError, "train prompts dataset, column 'prompt', row 1: unknown role 'usr'"),
+        dict(
+            train_prompts=Dataset.from_dict(
+                {
+                    "prompt": [[{"role": "user", "content": "hi"}], [{"role": "usr", "content": "hi"}]],
+                    "answer": ["1", "2"],
+                }
+            )
+        ),
+        TOPRDataError,
+        "train prompts dataset, column 'prompt', row 1: unknown role 'usr'",
+    ),
     "train prompt without a message": (
-        dict(train_prompts=Dataset.from_dict({"prompt": [[{"role": "user", "content": "hi"}], []],
-                                              "answer": ["1", "2"]})),
-        TOPRDataError, "column 'prompt', row 1: a conversational prompt needs at least one message"),
-    "train prompt filling max_length": (dict(train_prompts=with_row(loop_prompts(), 1, "What is 1 + 3? " * 12)),
-                                        TOPRDataError, "train prompts dataset, column 'prompt', row 1: the prompt has"),
-    "eval prompts without correct_func": (dict(correct_func=None), ValueError, "needs `correct_func` and `answer_func`"),
-    "eval prompts without a prompt column": (dict(eval_prompts=loop_prompts().remove_columns("prompt")),
-                                             TOPRDataError, "eval prompts dataset: missing column 'prompt'"),
-    "eval prompts numbers": (dict(eval_prompts=Dataset.from_dict({"prompt": [7, 8], "answer": ["2", "3"]})),
-                             TOPRDataError, "eval prompts dataset, column 'prompt', row 0: expected a string"),
+        dict(
+            train_prompts=Dataset.from_dict(
+                {"prompt": [[{"role": "user", "content": "hi"}], []], "answer": ["1", "2"]}
+            )
+        ),
+        TOPRDataError,
+        "column 'prompt', row 1: a conversational prompt needs at least one message",
+    ),
+    "train prompt filling max_length": (
+        dict(train_prompts=with_row(loop_prompts(), 1, "What is 1 + 3? " * 12)),
+        TOPRDataError,
+        "train prompts dataset, column 'prompt', row 1: the prompt has",
+    ),
+    "eval prompts without correct_func": (
+        dict(correct_func=None),
+        ValueError,
+        "needs `correct_func` and `answer_func`",
+    ),
+    "eval prompts without a prompt column": (
+        dict(eval_prompts=loop_prompts().remove_columns("prompt")),
+        TOPRDataError,
+        "eval prompts dataset: missing column 'prompt'",
+    ),
+    "eval prompts numbers": (
+        dict(eval_prompts=Dataset.from_dict({"prompt": [7, 8], "answer": ["2", "3"]})),
+        TOPRDataError,
+        "eval prompts dataset, column 'prompt', row 0: expected a string",
+    ),
     "no reward function": (dict(reward_funcs=[]), ValueError, "No reward function was given"),
-    "reward function by name": (dict(reward_funcs=["gsm8k_reward"]), TypeError,
-                                "Reward function 'str' is a str, not a callable"),
-    "two reward functions of one name": (dict(reward_funcs=[same_name(1.0), same_name(-1.0)]), ValueError,
-                                         "Two reward functions are named 'reward'"),
-    "reward weights of the wrong count": (dict(reward_weights=[1.0, 0.0]), ValueError,
-                                          "2 reward weights for 1 reward functions"),
+    "reward function by name": (
+        dict(reward_funcs=["gsm8k_reward"]),
+        TypeError,
+        "Reward function 'str' is a str, not a callable",
+    ),
+    "two reward functions of one name": (
+        dict(reward_funcs=[same_name(1.0), same_name(-1.0)]),
+        ValueError,
+        "Two reward functions are named 'reward'",
+    ),
+    "reward weights of the wrong count": (
+        dict(reward_weights=[1.0, 0.0]),
+        ValueError,
+        "2 reward weights for 1 reward functions",
+    ),
     "reward weight NaN": (dict(reward_weights=[math.nan]), ValueError, "Reward weights must be finite numbers"),
     "quantization without an adapter": (dict(quantization_config="4bit"), ValueError, "QLoRA"),
     "output_dir a file": (dict(output_dir="file"), NotADirectoryError, "is a file: the loop needs a folder"),
-    "resume: fewer rounds than done": (dict(num_rounds=1, resume=None), ValueError,
-                                       "records 2 completed round(s), more than `num_rounds` (1)"),
-    "resume: replayed rows missing": (dict(resume=lambda f: (f / "round-2" / "train.jsonl").unlink()),
-                                      FileNotFoundError, "round-2/train.jsonl is missing"),
-    "resume: replayed rows cut mid-line": (dict(resume=lambda f: cut_line(f, 2, 3, cut_mid_line=True)), TOPRDataError,
-                                           "round-2/train.jsonl, line 4: not a JSON row"),
-    "resume: replayed rows cut at a line's end": (dict(resume=lambda f: cut_line(f, 2, 4)), TOPRDataError,
-                                                  "round-2/train.jsonl has 4 rows where round 2 recorded 6"),
-    "resume: replayed rows without their mu": (dict(resume=lambda f: drop_column(f, 2, "behavior_logps")),
-                                               TOPRDataError, "round-2/train.jsonl, line 1: no ['behavior_logps']"),
+    "resume: fewer rounds than done": (
+        dict(num_rounds=1, resume=None),
+        ValueError,
+        "records 2 completed round(s), more than `num_rounds` (1)",
+    ),
+    "resume: replayed rows missing": (
+        dict(resume=lambda f: (f / "round-2" / "train.jsonl").unlink()),
+        FileNotFoundError,
+        "round-2/train.jsonl is missing",
+    ),
+    "resume: replayed rows cut mid-line": (
+        dict(resume=lambda f: cut_line(f, 2, 3, cut_mid_line=True)),
+        TOPRDataError,
+        "round-2/train.jsonl, line 4: not a JSON row",
+    ),
+    "resume: replayed rows cut at a line's end": (
+        dict(resume=lambda f: cut_line(f, 2, 4)),
+        TOPRDataError,
+        "round-2/train.jsonl has 4 rows where round 2 recorded 6",
+    ),
+    "resume: replayed rows without their mu": (
+        dict(resume=lambda f: drop_column(f, 2, "behavior_logps")),
+        TOPRDataError,
+        "round-2/train.jsonl, line 1: no ['behavior_logps']",
+    ),
     "resume: metrics damaged": (dict(resume=damage_metrics), ValueError, "metrics.jsonl, line 1, is not JSON"),
 }
 
@@ -323,11 +396,20 @@ def run_loop(model_path, output_dir, num_rounds=2, **changes):
     from trl_topr import run_topr_loop
     from trl_topr.generation import SamplingSettings
 
-    call = dict(model=model_path, train_prompts=loop_prompts(), reward_funcs=answer_correct,
-                args=make_args(output_dir, max_steps=-1, max_length=40), num_rounds=num_rounds, replay_rounds=1,
-                eval_prompts=loop_prompts(2), correct_func=answer_correct, answer_func=lambda text: text[-1:],
-                sampling=SamplingSettings(num_samples=2, max_new_tokens=4),
-                eval_sampling=SamplingSettings(num_samples=2, max_new_tokens=4, seed=0), progress=False)  # fmt: skip
+    call = dict(
+        model=model_path,
+        train_prompts=loop_prompts(),
+        reward_funcs=answer_correct,
+        args=make_args(output_dir, max_steps=-1, max_length=40),
+        num_rounds=num_rounds,
+        replay_rounds=1,
+        eval_prompts=loop_prompts(2),
+        correct_func=answer_correct,
+        answer_func=lambda text: text[-1:],
+        sampling=SamplingSettings(num_samples=2, max_new_tokens=4),
+        eval_sampling=SamplingSettings(num_samples=2, max_new_tokens=4, seed=0),
+        progress=False,
+    )
     call.update(changes)
     return run_topr_loop(**call)
 

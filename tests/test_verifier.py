@@ -79,11 +79,16 @@ def test_verifier_prompts_take_rewards_and_conversational_solutions_from_a_datas
     from datasets import Dataset
 
     rows = judged_rows("test", 3)
-    sampled = Dataset.from_list([
-        {"q": r["question"], "completion": [{"role": "assistant", "content": r["solution"]}],
-         "reward": 1.0 if r["correct"] else -1.0}
-        for r in rows
-    ])  # fmt: skip
+    sampled = Dataset.from_list(
+        [
+            {
+                "q": r["question"],
+                "completion": [{"role": "assistant", "content": r["solution"]}],
+                "reward": 1.0 if r["correct"] else -1.0,
+            }
+            for r in rows
+        ]
+    )
     dataset = verifier_prompts(sampled, question_column="q", solution_column="completion", correct_column="reward")
     assert dataset["label"] == [r["correct"] for r in rows]
     assert dataset["solution"] == [r["solution"] for r in rows]
@@ -128,8 +133,12 @@ def test_verifier_reward_on_real_rows(split):
 
 def test_verifier_reward_logs_verdicts_and_handles_missing_labels():
     logged = {}
-    rewards = verifier_reward(None, ["Verdict: correct", "no idea", "Verdict: incorrect"], label=[True, None, True],
-                              log_extra=lambda name, values: logged.update({name: values}))  # fmt: skip
+    rewards = verifier_reward(
+        None,
+        ["Verdict: correct", "no idea", "Verdict: incorrect"],
+        label=[True, None, True],
+        log_extra=lambda name, values: logged.update({name: values}),
+    )
     assert rewards == [1.0, None, -1.0]
     assert logged == {"verdict": ["correct", "[invalid]", "incorrect"]}
     with pytest.raises(ValueError, match="`label` column"):

@@ -20,15 +20,14 @@ import urllib.request
 
 import pytest
 import torch
+from conftest import alive, recording_trainer
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import alive, recording_trainer
-
 from trl_topr import TOPRConfig, TOPRTrainer, run_topr_loop, sample_completions
-from trl_topr.config import CHECKPOINTING
-from trl_topr.rewards import extract_final_answer, gsm8k_reward
+from trl_topr.compat import CHECKPOINTING
 from trl_topr.generation import SamplingSettings, VLLMEngine, prompt_ids
+from trl_topr.rewards import extract_final_answer, gsm8k_reward
 from trl_topr.sampling import generate_completions
 
 
@@ -58,17 +57,33 @@ def smollm2():
 
 def arithmetic(n: int) -> Dataset:
     rows = [(a, b) for a in range(1, 10) for b in range(1, 10)][:n]
-    return Dataset.from_list([
-        {"prompt": [{"role": "user", "content": f"What is {a} + {b}? End with 'The answer is N.'"}],
-         "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
-        for a, b in rows
-    ])  # fmt: skip
+    return Dataset.from_list(
+        [
+            {
+                "prompt": [{"role": "user", "content": f"What is {a} + {b}? End with 'The answer is N.'"}],
+                "answer": f"{a} + {b} = {a + b}\n#### {a + b}",
+            }
+            for a, b in rows
+        ]
+    )
 
 
 def args_for(output_dir, **kwargs) -> TOPRConfig:
-    defaults = dict(output_dir=str(output_dir), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
-                    per_device_train_batch_size=8, learning_rate=0.0, max_steps=1, logging_steps=1, seed=0,
-                    use_vllm=True, vllm_max_model_length=1024, **{CHECKPOINTING: False})  # fmt: skip
+    defaults = dict(
+        output_dir=str(output_dir),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        per_device_train_batch_size=8,
+        learning_rate=0.0,
+        max_steps=1,
+        logging_steps=1,
+        seed=0,
+        use_vllm=True,
+        vllm_max_model_length=1024,
+        **{CHECKPOINTING: False},
+    )
     return TOPRConfig(**{**defaults, **kwargs})
 
 
@@ -95,16 +110,33 @@ def test_vllm_samples_train_from_step_zero_with_the_chosen_mu(smollm2, engine, t
     path, tokenizer = smollm2
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     args = args_for(tmp_path, behavior_logps_source=source)
-    data = sample_completions(model, arithmetic(4), gsm8k_reward, processing_class=tokenizer, num_samples=2,
-                              max_new_tokens=48, args=args, engine=engine, progress=False)  # fmt: skip
-    reference = sample_completions(model, arithmetic(4), gsm8k_reward, processing_class=tokenizer, num_samples=2,
-                                   max_new_tokens=8, args=args_for(tmp_path, use_vllm=False), progress=False)  # fmt: skip
+    data = sample_completions(
+        model,
+        arithmetic(4),
+        gsm8k_reward,
+        processing_class=tokenizer,
+        args=args,
+        engine=engine,
+        progress=False,
+        sampling=SamplingSettings(num_samples=2, max_new_tokens=48, seed=0),
+    )
+    reference = sample_completions(
+        model,
+        arithmetic(4),
+        gsm8k_reward,
+        processing_class=tokenizer,
+        args=args_for(tmp_path, use_vllm=False),
+        progress=False,
+        sampling=SamplingSettings(num_samples=2, max_new_tokens=8, seed=0),
+    )
     assert data.column_names == reference.column_names[:-1] + ["sampler_logps", "behavior_logps"]
     for row in data:
         assert len(row["sampler_logps"]) == len(row["behavior_logps"]) == len(row["completion_ids"])
     differences = [abs(sum(row["sampler_logps"]) - sum(row["behavior_logps"])) for row in data]
-    print(f"\nmu from {source}: |log mu_vLLM - log mu_trainer| per sequence over {len(data)} samples: "
-          f"mean {sum(differences) / len(differences):.1e}, max {max(differences):.1e}")  # docs/sampling.md
+    print(
+        f"\nmu from {source}: |log mu_vLLM - log mu_trainer| per sequence over {len(data)} samples: "
+        f"mean {sum(differences) / len(differences):.1e}, max {max(differences):.1e}"
+    )  # docs/sampling.md
     if source == "trainer":
         assert 0 < max(differences) < MU_TOLERANCE  # two computations: close, not identical
     else:
@@ -122,9 +154,9 @@ def test_vllm_sampling_settings_match_transformers(smollm2, engine):
     path, tokenizer = smollm2
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     prompts = list(arithmetic(4)["prompt"])
-    settings = dict(temperature=0, max_new_tokens=12, progress=False, bf16=False)
-    _, hf_ids, _ = generate_completions(model, tokenizer, prompts, **settings)
-    _, vllm_ids, _ = generate_completions(model, tokenizer, prompts, engine=engine, **settings)
+    greedy = SamplingSettings(temperature=0, max_new_tokens=12)
+    _, hf_ids, _ = generate_completions(model, tokenizer, prompts, greedy, progress=False, bf16=False)
+    _, vllm_ids, _ = generate_completions(model, tokenizer, prompts, greedy, engine=engine, progress=False)
     assert vllm_ids == hf_ids  # greedy: the same tokens, cut at the same end of sequence
 
     ids = [prompt_ids(tokenizer, p) for p in prompts]
@@ -145,8 +177,14 @@ def check_round_two_sampled_from_round_one(output_dir, start: str, tokenizer, re
     if replayed:  # round 2 also trained on round 1's rows, with the mu recorded in round 1 (off by its update)
         assert rounds[2]["age_0/rows"] == rounds[2]["age_1/rows"] == rounds[1]["num_train_rows"]
         assert abs(rounds[2]["age_0/log_ratio_mean"]) < MU_TOLERANCE < abs(rounds[2]["age_1/log_ratio_mean"])
-    print("\n" + "\n".join(f"round {r['round']}: mismatch per sequence mean {r['behavior_logps_mismatch_mean']:.1e}, "
-                           f"max {r['behavior_logps_mismatch_max']:.1e}" for r in rounds[1:]))  # docs/sampling.md
+    print(
+        "\n"
+        + "\n".join(
+            f"round {r['round']}: mismatch per sequence mean {r['behavior_logps_mismatch_mean']:.1e}, "
+            f"max {r['behavior_logps_mismatch_max']:.1e}"
+            for r in rounds[1:]
+        )
+    )  # docs/sampling.md
     # The engine's log-probs of round 2's samples match round 1's model, not the initial one
     samples = Dataset.from_json(str(output_dir / "round-2" / "samples.jsonl"))
     initial = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32)
@@ -155,8 +193,9 @@ def check_round_two_sampled_from_round_one(output_dir, start: str, tokenizer, re
         for row in samples.select([0, 1, len(samples) - 2, len(samples) - 1]):  # both processes' shares
             ids = torch.tensor([row["prompt_ids"] + row["completion_ids"]])
             logps = initial(ids).logits.log_softmax(-1)[0, len(row["prompt_ids"]) - 1 : -1]
-            stale.append(abs(logps.gather(-1, ids[0, len(row["prompt_ids"]) :, None]).sum().item()
-                             - sum(row["sampler_logps"])))  # fmt: skip
+            stale.append(
+                abs(logps.gather(-1, ids[0, len(row["prompt_ids"]) :, None]).sum().item() - sum(row["sampler_logps"]))
+            )
     assert min(stale) > 20 * rounds[2]["behavior_logps_mismatch_max"]
 
 
@@ -164,13 +203,19 @@ def loop_args(output_dir, **kwargs) -> TOPRConfig:
     return args_for(output_dir, max_steps=-1, learning_rate=1e-4, per_device_train_batch_size=4, **kwargs)
 
 
-LOOP = dict(num_rounds=2, correct_func=gsm8k_reward, answer_func=extract_final_answer,
-            sampling=SamplingSettings(num_samples=4, max_new_tokens=24, batch_size=8),
-            eval_sampling=SamplingSettings(num_samples=2, max_new_tokens=24, seed=0), progress=False)  # fmt: skip
+LOOP = dict(
+    num_rounds=2,
+    correct_func=gsm8k_reward,
+    answer_func=extract_final_answer,
+    sampling=SamplingSettings(num_samples=4, max_new_tokens=24, batch_size=8),
+    eval_sampling=SamplingSettings(num_samples=2, max_new_tokens=24, seed=0),
+    progress=False,
+)
 
 
-def test_loop_with_colocated_vllm_samples_each_round_from_the_last_rounds_weights(smollm2, engine, tmp_path,
-                                                                               monkeypatch):
+def test_loop_with_colocated_vllm_samples_each_round_from_the_last_rounds_weights(
+    smollm2, engine, tmp_path, monkeypatch
+):
     # The module's engine, given to the loop (which starts its own without `engine`: the 2-process tests run that
     # path): the loop reloads it with each round's weights and leaves it open. No round's trainer, model or optimizer
     # outlives its round next to the engine (tests/test_loop.py checks the same without vLLM).
@@ -181,8 +226,16 @@ def test_loop_with_colocated_vllm_samples_each_round_from_the_last_rounds_weight
     path, tokenizer = smollm2
     output_dir = tmp_path / "loop"
     try:
-        run_topr_loop(path, arithmetic(8), gsm8k_reward, loop_args(output_dir), eval_prompts=arithmetic(2),
-                      engine=engine, replay_rounds=1, **LOOP)  # fmt: skip
+        run_topr_loop(
+            path,
+            arithmetic(8),
+            gsm8k_reward,
+            loop_args(output_dir),
+            eval_prompts=arithmetic(2),
+            engine=engine,
+            replay_rounds=1,
+            **LOOP,
+        )
         assert engine.folder == str(output_dir / "round-2") and engine.vllm_generation.llm is not None
         assert [name for name, _ in trained].count("optimizer") == 2 and alive(trained) == []
         check_round_two_sampled_from_round_one(output_dir, path, tokenizer, replayed=True)
@@ -201,12 +254,31 @@ def server(smollm2, tmp_path):
     # The documented server command (docs/sampling.md), on CPU
     path, _ = smollm2
     port = free_port()
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--port", str(port),
-               "--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory-bytes", str(1 << 30),
-               "--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192", "--enforce-eager",
-               "--worker-extension-cls", "trl_topr.generation.vllm_engine.TOPRWorkerExtension"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        path,
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "1024",
+        "--kv-cache-memory-bytes",
+        str(1 << 30),
+        "--no-enable-chunked-prefill",
+        "--max-num-batched-tokens",
+        "8192",
+        "--enforce-eager",
+        "--worker-extension-cls",
+        "trl_topr.generation.vllm_engine.TOPRWorkerExtension",
+    ]
     log = open(tmp_path / "server.log", "w")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"})
+    process = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    )
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and process.poll() is None:
         try:
@@ -234,18 +306,29 @@ def online_args(output_dir):
     from trl_topr import TOPRGRPOConfig
 
     return TOPRGRPOConfig(
-        str(output_dir), use_cpu=True, bf16=False, report_to="none", save_strategy="no", use_vllm=True,
-        vllm_mode="colocate", vllm_max_model_length=1024, per_device_train_batch_size=4, num_generations=4,
-        max_completion_length=16, max_steps=3, learning_rate=1e-4, logging_steps=1, **{CHECKPOINTING: False},
-    )  # fmt: skip
+        str(output_dir),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_max_model_length=1024,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=16,
+        max_steps=3,
+        learning_rate=1e-4,
+        logging_steps=1,
+        **{CHECKPOINTING: False},
+    )
 
 
 def test_online_trainer_with_colocated_vllm_syncs_weights_every_step(smollm2, tmp_path):
     from trl_topr import TOPRGRPOTrainer
 
     path, _ = smollm2
-    trainer = TOPRGRPOTrainer(path, reward_funcs=gsm8k_reward, args=online_args(tmp_path),
-                              train_dataset=arithmetic(8))  # fmt: skip
+    trainer = TOPRGRPOTrainer(path, reward_funcs=gsm8k_reward, args=online_args(tmp_path), train_dataset=arithmetic(8))
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     moved = max((p.detach() - before[n]).abs().max().item() for n, p in trainer.model.named_parameters())
@@ -254,7 +337,6 @@ def test_online_trainer_with_colocated_vllm_syncs_weights_every_step(smollm2, tm
     # After the first step the engine samples with synced weights: TRL's per-token sampling/training difference
     # stays at the precision floor (a stale engine is off by the update)
     assert all(h["sampling/sampling_logp_difference/max"] < 1e-3 for h in steps)
-
 
 
 def test_verifier_recipe_with_vllm_shares_one_engine_across_its_stages(smollm2, tmp_path, caplog):
@@ -266,13 +348,38 @@ def test_verifier_recipe_with_vllm_shares_one_engine_across_its_stages(smollm2, 
     import verifier
 
     path, _ = smollm2
-    script_args, training_args, model_args = verifier.make_parser().parse_args_and_config([
-        "--config", os.path.join(os.path.dirname(__file__), "..", "recipes", "configs", "verifier_embedded_cpu.yaml"),
-        "--model_name_or_path", path, "--output_dir", str(tmp_path / "out"), "--num_train_questions", "2",
-        "--num_eval_questions", "2", "--num_solutions", "2", "--num_rounds", "1", "--num_verdicts", "2",
-        "--eval_num_verdicts", "2", "--solution_max_new_tokens", "16", "--verdict_max_new_tokens", "16",
-        "--bf16", "false", "--use_vllm", "true", "--vllm_max_model_length", "1024",
-    ])  # fmt: skip
+    script_args, training_args, model_args = verifier.make_parser().parse_args_and_config(
+        [
+            "--config",
+            os.path.join(os.path.dirname(__file__), "..", "recipes", "configs", "verifier_embedded_cpu.yaml"),
+            "--model_name_or_path",
+            path,
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--num_train_questions",
+            "2",
+            "--num_eval_questions",
+            "2",
+            "--num_solutions",
+            "2",
+            "--num_rounds",
+            "1",
+            "--num_verdicts",
+            "2",
+            "--eval_num_verdicts",
+            "2",
+            "--solution_max_new_tokens",
+            "16",
+            "--verdict_max_new_tokens",
+            "16",
+            "--bf16",
+            "false",
+            "--use_vllm",
+            "true",
+            "--vllm_max_model_length",
+            "1024",
+        ]
+    )
     with caplog.at_level(logging.INFO, logger="trl_topr"):
         results = verifier.main(script_args, training_args, model_args)
     assert sum("Starting vLLM" in record.getMessage() for record in caplog.records) == 1
@@ -280,3 +387,48 @@ def test_verifier_recipe_with_vllm_shares_one_engine_across_its_stages(smollm2, 
     assert len(samples) == 2 * 2 * 2 and all("sampler_logps" in s for s in samples)  # the loop sampled with vLLM
     assert [r["round"] for r in results["rounds"]] == [0, 1]
     assert set(results["votes"]) == {"before", "after"}
+
+
+def test_eval_command_samples_with_vllm(smollm2, tmp_path, monkeypatch):
+    # `trl-topr eval --use_vllm`: the script builds the engine the configuration asks for, as `trl-topr sample` does
+    from trl_topr.scripts import eval as eval_script
+
+    path, _ = smollm2
+    calls = []
+    generate = VLLMEngine.generate
+    monkeypatch.setattr(
+        VLLMEngine, "generate", lambda self, *a, **k: calls.append(len(a[0])) or generate(self, *a, **k)
+    )
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(
+            json.dumps({"question": f"What is {i} + 2? End with 'The answer is N.'", "answer": f"#### {i + 2}"}) + "\n"
+            for i in range(3)
+        )
+    )
+    parser = eval_script.make_parser()
+    script_args, generation_args, vllm_args = parser.parse_args_into_dataclasses(
+        [
+            "--model_name_or_path",
+            path,
+            "--dataset_name",
+            str(prompts),
+            "--prompt_column",
+            "question",
+            "--conversational",
+            "--num_samples",
+            "2",
+            "--max_new_tokens",
+            "24",
+            "--use_vllm",
+            "--vllm_max_model_length",
+            "1024",
+            "--output_path",
+            str(tmp_path / "metrics.json"),
+        ]
+    )
+    assert vllm_args.use_vllm
+    metrics = eval_script.main(script_args, generation_args, vllm_args)
+    assert calls == [3, 3]  # greedy, then the samples: every prompt through vLLM
+    assert set(metrics) >= {"pass@1_greedy", "pass@1", "maj@2", "invalid_rate"}
+    assert json.loads((tmp_path / "metrics.json").read_text()) == metrics

@@ -16,15 +16,16 @@ def largest_change(saved: str, initial: str) -> float:
     from trl_topr.distributed import unsharded_loading
 
     with unsharded_loading():  # whole on each process, also under ZeRO-3
-        before, after = (AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
-                         for path in (initial, saved))  # fmt: skip
+        before, after = (
+            AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict() for path in (initial, saved)
+        )
     return max((after[name] - weight).abs().max().item() for name, weight in before.items())
 
 
 def main(parts: str, engine: str, tests_dir: str, model_path: str, output_dir: str):
     sys.path.insert(0, tests_dir)
     if engine == "fsdp2":
-        from sharded_worker import reapply_fsdp_plugin
+        from trl_topr.testing import reapply_fsdp_plugin
 
         reapply_fsdp_plugin()
     from conftest import alive, recording_trainer
@@ -38,14 +39,19 @@ def main(parts: str, engine: str, tests_dir: str, model_path: str, output_dir: s
     if "loop" in parts.split(","):
         trained = []
         trl_topr.loop.TOPRTrainer = recording_trainer(trained)  # what each round leaves alive (none should be)
-        result["rounds"] = run_topr_loop(model_path, arithmetic(8), gsm8k_reward, loop_args(output_dir),
-                                         eval_prompts=arithmetic(3), **LOOP)  # fmt: skip
+        result["rounds"] = run_topr_loop(
+            model_path, arithmetic(8), gsm8k_reward, loop_args(output_dir), eval_prompts=arithmetic(3), **LOOP
+        )
         result["loop_trained"], result["loop_alive"] = [name for name, _ in trained], alive(trained)
         # the loop has closed its engine by now: the processes keep their group (vLLM's teardown destroys it)
         result["world_after_loop"] = [PartialState().num_processes, torch.distributed.get_world_size()]
     if "online" in parts.split(","):
-        trainer = TOPRGRPOTrainer(model_path, reward_funcs=gsm8k_reward, args=online_args(f"{output_dir}/online"),
-                                  train_dataset=arithmetic(8))  # fmt: skip
+        trainer = TOPRGRPOTrainer(
+            model_path,
+            reward_funcs=gsm8k_reward,
+            args=online_args(f"{output_dir}/online"),
+            train_dataset=arithmetic(8),
+        )
         trainer.train()
         trainer.save_model(f"{output_dir}/online/final")
         PartialState().wait_for_everyone()

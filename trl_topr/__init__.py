@@ -7,13 +7,13 @@ from .quiet import silence_unactionable_notices
 
 silence_unactionable_notices()  # before PEFT imports bitsandbytes and accelerate imports DeepSpeed
 
-from .composition import baseline_for_positive_fraction, effective_positive_fraction
+from .baseline import baseline_for_positive_fraction, effective_positive_fraction
 from .config import TOPRConfig
 from .curation import anna_karenina, baseline_for_target, composition_report, rebalance
 from .data import DataCollatorForTOPR, TOPRDataError
 from .evaluation import best_of_n, evaluate_policy, weighted_vote
 from .generation import SamplingSettings, generation_engine
-from .loop import read_rounds, run_topr_loop
+from .loop import LoopCallback, read_rounds, run_topr_loop
 from .loss import topr_loss, topr_weights
 from .online import TOPRGRPOConfig, TOPRGRPOTrainer
 from .rewards import (
@@ -31,6 +31,7 @@ from .verifier import verifier_prompts
 
 __all__ = [
     "DataCollatorForTOPR",
+    "LoopCallback",
     "SamplingSettings",
     "TOPRConfig",
     "TOPRDataError",

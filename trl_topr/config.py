@@ -1,20 +1,12 @@
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
-from transformers import TrainingArguments
-from trl import GRPOConfig, SFTConfig
+from trl import SFTConfig
 
-from .loss import LOSS_NORMALIZATIONS, LOSS_TYPES, RATIO_LEVELS, resolve_ratio_bounds
+from .compat import CHECKPOINTING
+from .generation.arguments import VLLMArguments
+from .loss import LOSS_NORMALIZATIONS, LOSS_TYPES, LOSS_TYPES_HELP, RATIO_LEVELS, check_loss_options
 from .precision import apply_precision_defaults
-
-
-# transformers 5.20 renamed gradient checkpointing "activation checkpointing" (the old names stay as deprecated
-# aliases); vLLM's CPU build pins transformers < 5.20, which has the old names only.
-CHECKPOINTING = (
-    "activation_checkpointing"
-    if "activation_checkpointing" in {f.name for f in fields(TrainingArguments)}
-    else "gradient_checkpointing"
-)
 
 
 @dataclass
@@ -29,6 +21,43 @@ class ActivationCheckpointingName:
         activation_checkpointing: bool | None = field(
             default=None, metadata={"help": "Activation checkpointing (transformers' `gradient_checkpointing`)."}
         )
+
+
+def check_topr_options(args) -> None:
+    """
+    Check the TOPR options of a configuration ([`TOPRConfig`] or [`~trl_topr.online.TOPRGRPOConfig`]): the loss's
+    ([`~trl_topr.loss.check_loss_options`]) and the baseline's (at most one of `baseline`, `target_positive_fraction`
+    and `group_baseline`; a finite baseline; a target in (0, 1)).
+
+    Args:
+        args ([`TOPRConfig`] or [`~trl_topr.online.TOPRGRPOConfig`]):
+            The configuration.
+
+    Raises:
+        `ValueError`: naming the option with a wrong value.
+    """
+    check_loss_options(
+        args.loss_type,
+        args.ratio_level,
+        args.loss_normalization,
+        args.positive_ratio_bounds,
+        args.negative_ratio_bounds,
+        args.epsilon,
+    )
+    baselines = ["baseline", "target_positive_fraction", "group_baseline"]
+    options = [name for name in baselines if hasattr(args, name)]
+    chosen = [name for name in options if getattr(args, name) not in (None, False)]
+    if len(chosen) > 1:
+        which = (
+            " or ".join(f"`{n}`" for n in options) + ", not both"
+            if len(options) == 2
+            else ("at most one of " + ", ".join(f"`{n}`" for n in options))
+        )
+        raise ValueError(f"Set {which} (got {' and '.join(f'`{n}`' for n in chosen)}): each sets the baseline.")
+    if args.baseline is not None and not math.isfinite(args.baseline):
+        raise ValueError(f"`baseline` must be a finite number, got {args.baseline}.")
+    if args.target_positive_fraction is not None and not 0.0 < args.target_positive_fraction < 1.0:
+        raise ValueError(f"`target_positive_fraction` must be in (0, 1), got {args.target_positive_fraction}.")
 
 
 def apply_training_defaults(args) -> None:
@@ -47,96 +76,6 @@ def apply_training_defaults(args) -> None:
         args.gradient_checkpointing = args.activation_checkpointing
     if getattr(args, "activation_checkpointing", None) is None and args.gradient_checkpointing is None:
         setattr(args, CHECKPOINTING, True)
-
-
-VLLM_FIELDS = (
-    "use_vllm", "vllm_mode", "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
-    "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size", "vllm_enable_sleep_mode",
-    "vllm_model_impl",
-)  # fmt: skip
-BEHAVIOR_LOGPS_SOURCES = ("trainer", "sampler")
-
-
-def _like_grpo(name: str):
-    # GRPOConfig's field `name`: its default and its help, so that the vLLM options read as in TRL's GRPO
-    grpo_field = GRPOConfig.__dataclass_fields__[name]
-    return field(default=grpo_field.default, metadata=dict(grpo_field.metadata))
-
-
-@dataclass
-class VLLMArguments:
-    r"""
-    Sampling with vLLM: TRL's GRPO options (same names, defaults and meaning), read by [`run_topr_loop`],
-    [`sample_completions`], `recipes/gsm8k.py` and `trl-topr sample`, and the choice of the behavior log-probs.
-
-    Parameters:
-        use_vllm (`bool`, *optional*, defaults to `False`):
-            Sample with vLLM instead of transformers' `generate` (`pip install trl-topr[vllm]`).
-        vllm_mode (`str`, *optional*, defaults to `"colocate"`):
-            `"colocate"`: an engine in each training process. `"server"`: a running vLLM server (see
-            `docs/sampling.md` for the command), reloaded from each round's saved folder.
-        vllm_server_base_url (`str`, *optional*):
-            Base URL of the server; overrides `vllm_server_host` and `vllm_server_port`.
-        vllm_server_host (`str`, *optional*, defaults to `"0.0.0.0"`):
-            Host of the server.
-        vllm_server_port (`int`, *optional*, defaults to `8000`):
-            Port of the server.
-        vllm_server_timeout (`float`, *optional*, defaults to `240.0`):
-            Seconds to wait for the server to be up.
-        vllm_gpu_memory_utilization (`float`, *optional*, defaults to `0.3`):
-            GPU memory share of a colocated engine (weights, activations, KV cache).
-        vllm_max_model_length (`int`, *optional*):
-            Context length of a colocated engine (prompt and completion); defaults to the model's.
-        vllm_tensor_parallel_size (`int`, *optional*, defaults to `1`):
-            Tensor parallelism of a colocated engine.
-        vllm_enable_sleep_mode (`bool`, *optional*, defaults to `False`):
-            Let a colocated engine release its memory while the model trains.
-        vllm_model_impl (`str`, *optional*, defaults to `"vllm"`):
-            vLLM's model implementation: `"vllm"` or `"transformers"`.
-        vllm_enforce_eager (`bool`, *optional*):
-            vLLM's `enforce_eager` for a colocated engine (a server takes `--enforce-eager`): run the model without
-            compiling it. Defaults to `True` on CPU, where vLLM's compilation holds up the first token for about a
-            minute, and to vLLM's own default (compiled) on GPUs.
-        behavior_logps_source (`str`, *optional*, defaults to `"trainer"`):
-            Where the behavior log-probs mu of sampled completions come from. `"trainer"`: recomputed by the
-            trainer's forward, exactly consistent with pi (one forward pass); the sampler's own log-probs, when it
-            returns any, are compared with them (logged as `behavior_logps_mismatch_*`). `"sampler"`: vLLM's raw
-            log-probs (free, the distribution actually sampled, but computed by other kernels, in the engine's
-            precision). See `docs/sampling.md`.
-    """
-
-    use_vllm: bool = _like_grpo("use_vllm")
-    vllm_mode: str = _like_grpo("vllm_mode")
-    vllm_server_base_url: str | None = _like_grpo("vllm_server_base_url")
-    vllm_server_host: str = _like_grpo("vllm_server_host")
-    vllm_server_port: int = _like_grpo("vllm_server_port")
-    vllm_server_timeout: float = _like_grpo("vllm_server_timeout")
-    vllm_gpu_memory_utilization: float = _like_grpo("vllm_gpu_memory_utilization")
-    vllm_max_model_length: int | None = _like_grpo("vllm_max_model_length")
-    vllm_tensor_parallel_size: int = _like_grpo("vllm_tensor_parallel_size")
-    vllm_enable_sleep_mode: bool = _like_grpo("vllm_enable_sleep_mode")
-    vllm_model_impl: str = _like_grpo("vllm_model_impl")
-    vllm_enforce_eager: bool | None = field(
-        default=None,
-        metadata={"help": "vLLM's `enforce_eager` for a colocated engine: no compilation. Defaults to True on CPU "
-                  "(compiling holds up the first token for a minute or more), vLLM's default on GPUs."},
-    )
-    behavior_logps_source: str = field(
-        default="trainer",
-        metadata={"help": "Behavior log-probs of sampled completions: 'trainer' (recomputed by the trainer's forward, "
-                  "consistent with pi) or 'sampler' (vLLM's raw log-probs, free).", "choices": BEHAVIOR_LOGPS_SOURCES},
-    )
-
-    def check_vllm_arguments(self) -> None:
-        """Raise a `ValueError` naming the field when a vLLM option has an unknown value."""
-        if self.vllm_mode not in ("colocate", "server"):
-            raise ValueError(f"`vllm_mode` must be 'colocate' or 'server', got {self.vllm_mode!r}.")
-        if self.behavior_logps_source not in BEHAVIOR_LOGPS_SOURCES:
-            raise ValueError(
-                f"`behavior_logps_source` must be one of {BEHAVIOR_LOGPS_SOURCES}, got {self.behavior_logps_source!r}."
-            )
-        if self.behavior_logps_source == "sampler" and not self.use_vllm:
-            raise ValueError("`behavior_logps_source='sampler'` takes vLLM's log-probs: set `use_vllm=True` too.")
 
 
 @dataclass
@@ -210,7 +149,7 @@ class TOPRConfig(VLLMArguments, ActivationCheckpointingName, SFTConfig):
         vllm_gpu_memory_utilization, vllm_max_model_length, vllm_tensor_parallel_size, vllm_enable_sleep_mode,
         vllm_model_impl, behavior_logps_source:
             Sampling with vLLM, as in TRL's [`~trl.GRPOConfig`], and the source of the behavior log-probs; see
-            [`~trl_topr.config.VLLMArguments`]. [`TOPRTrainer`] itself does not sample: it ignores them.
+            [`~trl_topr.generation.arguments.VLLMArguments`]. [`TOPRTrainer`] itself does not sample: it ignores them.
 
     > [!NOTE]
     > These parameters have default values different from [`~trl.SFTConfig`]:
@@ -229,7 +168,7 @@ class TOPRConfig(VLLMArguments, ActivationCheckpointingName, SFTConfig):
     > [!NOTE]
     > `padding_free=True` ([`~trl.SFTConfig`]'s option) lays each batch's rows end to end without padding; the loss,
     > the ratio and the metrics stay per completion. The trainer checks at construction that the model keeps the rows
-    > apart ([`~trl_topr.padding_free.check_sequences_kept_apart`]). `packing=True` is refused: it would change the
+    > apart ([`~trl_topr.logprobs.check_sequences_kept_apart`]). `packing=True` is refused: it would change the
     > number of completions in each batch and drop each row's reward and behavior log-probs.
     """
 
@@ -258,9 +197,8 @@ class TOPRConfig(VLLMArguments, ActivationCheckpointingName, SFTConfig):
     loss_type: str = field(
         default="topr",
         metadata={
-            "help": "Weighting of positives / negatives: 'topr' (1 / clip(pi/mu, 0, 1)), 'reinforce' (1 / 1), 'is' "
-            "(pi/mu / pi/mu), 'tis' (clip(pi/mu, 0, 1) for both), 'positives_only' (1 / 0) or 'ppo_clip' (PPO's "
-            "clipped surrogate). Replaces SFTConfig's nll/dft `loss_type`.",
+            "help": f"Weighting of positives / negatives: {LOSS_TYPES_HELP}. Replaces SFTConfig's nll/dft "
+            "`loss_type`.",
             "choices": list(LOSS_TYPES),
         },
     )
@@ -301,8 +239,10 @@ class TOPRConfig(VLLMArguments, ActivationCheckpointingName, SFTConfig):
     )
     baseline: float | None = field(
         default=None,
-        metadata={"help": "Baseline c subtracted from the rewards. Defaults to 0.0. Exclusive with "
-                  "`target_positive_fraction`."},
+        metadata={
+            "help": "Baseline c subtracted from the rewards. Defaults to 0.0. Exclusive with "
+            "`target_positive_fraction`."
+        },
     )
     target_positive_fraction: float | None = field(
         default=None,
@@ -343,31 +283,7 @@ class TOPRConfig(VLLMArguments, ActivationCheckpointingName, SFTConfig):
         apply_training_defaults(self)
         super().__post_init__()
         self.check_vllm_arguments()
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"Unknown `loss_type` {self.loss_type!r}: expected one of {LOSS_TYPES}.")
-        if self.ratio_level not in RATIO_LEVELS:
-            raise ValueError(f"Unknown `ratio_level` {self.ratio_level!r}: expected one of {RATIO_LEVELS}.")
-        if self.loss_normalization not in LOSS_NORMALIZATIONS:
-            raise ValueError(
-                f"Unknown `loss_normalization` {self.loss_normalization!r}: expected one of {LOSS_NORMALIZATIONS}."
-            )
-        for name in ("positive_ratio_bounds", "negative_ratio_bounds"):
-            bounds = getattr(self, name)
-            if bounds is not None and len(bounds) != 2:
-                raise ValueError(f"`{name}` must be two numbers [low, high], got {bounds}.")
-        resolve_ratio_bounds(self.loss_type, self.positive_ratio_bounds, self.negative_ratio_bounds)
-        if not 0.0 < self.epsilon < 1.0:
-            raise ValueError(f"`epsilon` must be in (0, 1), got {self.epsilon}.")
-        if self.baseline is not None and self.target_positive_fraction is not None:
-            raise ValueError(
-                "Set either `baseline` or `target_positive_fraction`, not both: the target derives the baseline."
-            )
-        if self.baseline is not None and not math.isfinite(self.baseline):
-            raise ValueError(f"`baseline` must be a finite number, got {self.baseline}.")
-        if self.target_positive_fraction is not None and not 0.0 < self.target_positive_fraction < 1.0:
-            raise ValueError(
-                f"`target_positive_fraction` must be in (0, 1), got {self.target_positive_fraction}."
-            )
+        check_topr_options(self)
         # TOPR's loss is a sum over each completion, and its mean is over the batch's completions: a batch holds
         # `per_device_train_batch_size` whole rows. `padding_free` keeps that (it only lays the rows end to end);
         # packing does not.

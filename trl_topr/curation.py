@@ -14,7 +14,7 @@ from typing import Any
 
 from datasets import Dataset
 
-from .composition import baseline_for_positive_fraction, effective_positive_fraction
+from .baseline import baseline_for_positive_fraction, effective_positive_fraction
 
 
 def _rewards(dataset: Dataset, reward_column: str) -> list[float]:

@@ -115,8 +115,9 @@ def check_prompts(dataset: Dataset, dataset_name: str = "prompts") -> None:
         [`TOPRDataError`]: naming the column and the first offending row.
     """
     if isinstance(dataset, IterableDataset) or not isinstance(dataset, Dataset):
-        raise TypeError(f"The {dataset_name} dataset must be a map-style `datasets.Dataset`, got "
-                        f"{type(dataset).__name__}.")  # fmt: skip
+        raise TypeError(
+            f"The {dataset_name} dataset must be a map-style `datasets.Dataset`, got {type(dataset).__name__}."
+        )
     if PROMPT not in dataset.column_names:
         raise TOPRDataError(f"{dataset_name} dataset: missing column '{PROMPT}' (found {dataset.column_names}).")
     if len(dataset) == 0:
@@ -218,8 +219,9 @@ def _check_token_ids(dataset, dataset_name: str) -> None:
         for column in (PROMPT_IDS, COMPLETION_IDS):
             for row, ids in enumerate(dataset[column]):
                 if not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids):
-                    raise data_error(dataset_name, column, row,
-                                     f"expected a list of token ids (ints >= 0), got {ids!r}.")
+                    raise data_error(
+                        dataset_name, column, row, f"expected a list of token ids (ints >= 0), got {ids!r}."
+                    )
                 if column == COMPLETION_IDS and not ids:
                     raise data_error(dataset_name, column, row, "a completion needs at least one token id, got [].")
 
@@ -255,8 +257,12 @@ def _check_behavior_logps(values: list, args, dataset_name: str) -> None:
     for row, value in enumerate(values):
         items = value if per_token and isinstance(value, list) else [value]
         if (per_token and not isinstance(value, list)) or not all(_is_number(v) for v in items):
-            raise data_error(dataset_name, column, row,
-                        f"expected {'a list of floats' if per_token else 'a float'}, like row 0, got {value!r}.")
+            raise data_error(
+                dataset_name,
+                column,
+                row,
+                f"expected {'a list of floats' if per_token else 'a float'}, like row 0, got {value!r}.",
+            )
         for v in items:
             if not math.isfinite(v) or v > 0:
                 raise data_error(dataset_name, column, row, f"log-probabilities must be finite and <= 0, got {v}.")
@@ -361,7 +367,7 @@ class DataCollatorForTOPR(DataCollatorForLanguageModeling):
 
     With `padding_free=True` the rows are laid end to end as TRL's collator lays them (`input_ids`, `labels` and
     `position_ids` of shape `(1, total length)`, no `attention_mask`); the rewards stay one per row, and per-token
-    behavior log-probs sit at their tokens in that one row. [`~trl_topr.behavior.completion_rows`] takes each
+    behavior log-probs sit at their tokens in that one row. [`~trl_topr.logprobs.completion_rows`] takes each
     completion back out.
 
     Example:

@@ -12,29 +12,24 @@ from .sampling import decode_completions, score_completions
 
 
 def evaluate_policy(
-    model: PreTrainedModel,
+    model: PreTrainedModel | None,
     processing_class: PreTrainedTokenizerBase,
     dataset: Dataset,
     correct_func: Callable,
     answer_func: Callable[[str], str | None],
+    sampling: SamplingSettings | None = None,
     *,
-    num_samples: int = 4,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    max_new_tokens: int = 256,
-    batch_size: int = 16,
-    seed: int = 0,
+    engine: GenerationEngine | None = None,
     progress: bool = True,
     bf16: bool | None = None,
-    engine: GenerationEngine | None = None,
 ) -> dict[str, float]:
     """
-    Accuracy and validity of a policy's answers, as the TOPR paper reports them.
+    Accuracy and validity of a policy's answers, as the TOPR paper reports them: greedy decoding, then
+    `sampling.num_samples` samples per prompt.
 
     Args:
-        model ([`~transformers.PreTrainedModel`]):
-            Policy to evaluate.
+        model ([`~transformers.PreTrainedModel`], *optional*):
+            Policy to evaluate (`None` with an `engine` that holds it).
         processing_class ([`~transformers.PreTrainedTokenizerBase`]):
             Its tokenizer.
         dataset ([`~datasets.Dataset`]):
@@ -45,27 +40,17 @@ def evaluate_policy(
         answer_func (`Callable[[str], str | None]`):
             Final answer of a completion text, `None` when it has none (an invalid output); used for maj@k and the
             invalid rate (e.g. [`~trl_topr.rewards.extract_final_answer`]).
-        num_samples (`int`, *optional*, defaults to `4`):
-            k: sampled completions per prompt for the sampled pass@1 and maj@k.
-        temperature (`float`, *optional*, defaults to `1.0`):
-            Sampling temperature of the k samples.
-        top_p (`float`, *optional*, defaults to `1.0`):
-            Nucleus sampling threshold.
-        top_k (`int`, *optional*, defaults to `0`):
-            Top-k sampling, 0 to disable.
-        max_new_tokens (`int`, *optional*, defaults to `256`):
-            Maximum completion length.
-        batch_size (`int`, *optional*, defaults to `16`):
-            Prompts per generation batch.
-        seed (`int`, *optional*, defaults to `0`):
-            Seed of the sampling.
+        sampling ([`~trl_topr.generation.SamplingSettings`], *optional*):
+            How to sample the k samples of the sampled pass@1 and maj@k (k = `num_samples`). Defaults to
+            `SamplingSettings(num_samples=4, seed=0)`.
+        engine ([`~trl_topr.generation.GenerationEngine`], *optional*):
+            Generate with this engine (e.g. vLLM, from [`~trl_topr.generation.generation_engine`]), holding the
+            policy's weights, instead of `model.generate`.
         progress (`bool`, *optional*, defaults to `True`):
             Show progress bars.
         bf16 (`bool`, *optional*):
-            Generate under bf16 autocast (transformers). Defaults to the hardware (see
+            Generate under bf16 autocast (transformers, without an `engine`). Defaults to the hardware (see
             [`~trl_topr.precision.bf16_is_faster`]).
-        engine ([`~trl_topr.generation.GenerationEngine`], *optional*):
-            Generate with this engine (e.g. vLLM), holding the policy's weights, instead of `model.generate`.
 
     Returns:
         `dict[str, float]`: `pass@1_greedy` (greedy accuracy), `pass@1` (mean accuracy of the samples),
@@ -73,44 +58,11 @@ def evaluate_policy(
         without a final answer), `invalid_rate_greedy`, and two signs of degeneration: `truncated_rate` (share of
         samples that reach `max_new_tokens` without ending) and `mean_length` (mean sample length in tokens).
     """
-    settings = SamplingSettings(num_samples=num_samples, temperature=temperature, top_p=top_p, top_k=top_k,
-                                max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed)  # fmt: skip
-    engine = engine or TransformersEngine(model, processing_class, bf16=bf16)
-    return evaluate_with_engine(engine, processing_class, dataset, correct_func, answer_func, settings, progress)
-
-
-def evaluate_with_engine(
-    engine: GenerationEngine,
-    processing_class: PreTrainedTokenizerBase,
-    dataset: Dataset,
-    correct_func: Callable,
-    answer_func: Callable[[str], str | None],
-    settings: SamplingSettings,
-    progress: bool = True,
-) -> dict[str, float]:
-    """
-    [`evaluate_policy`] with the policy in a generation engine and the settings in one object: greedy decoding, then
-    `settings.num_samples` samples per prompt.
-
-    Args:
-        engine ([`~trl_topr.generation.GenerationEngine`]):
-            The engine holding the policy.
-        processing_class ([`~transformers.PreTrainedTokenizerBase`]):
-            Its tokenizer.
-        dataset ([`~datasets.Dataset`]):
-            Held-out prompts and the columns `correct_func` needs.
-        correct_func (`Callable`):
-            Reward function; value > 0 means correct.
-        answer_func (`Callable[[str], str | None]`):
-            Final-answer extractor.
-        settings ([`~trl_topr.generation.SamplingSettings`]):
-            How to sample the k samples (k = `num_samples`).
-        progress (`bool`, *optional*, defaults to `True`):
-            Show progress bars.
-
-    Returns:
-        `dict[str, float]`: as [`evaluate_policy`].
-    """
+    settings = sampling or SamplingSettings(num_samples=4, seed=0)
+    if engine is None:
+        if model is None:
+            raise ValueError("`evaluate_policy` needs a `model` or an `engine` holding it.")
+        engine = TransformersEngine(model, processing_class, bf16=bf16)
     prompts = list(dataset[PROMPT])
     columns = {c: list(dataset[c]) for c in dataset.column_names if c != PROMPT}
     ids = [prompt_ids(processing_class, p) for p in prompts]
@@ -122,7 +74,9 @@ def evaluate_with_engine(
         _, per_func = score_completions(prompt_list, completions, {"correct": correct_func}, **repeated)
         return [value > 0 for value in per_func["correct"]]
 
-    greedy = decode_completions(processing_class, prompts, engine.generate(ids, settings.greedy(), progress).completion_ids)
+    greedy = decode_completions(
+        processing_class, prompts, engine.generate(ids, settings.greedy(), progress).completion_ids
+    )
     sampled_ids = engine.generate(ids, settings, progress).completion_ids
     sampled = decode_completions(processing_class, prompts, sampled_ids)
     greedy_correct, sampled_correct = correctness(greedy, 1), correctness(sampled, k)
@@ -132,8 +86,9 @@ def evaluate_with_engine(
     for i in range(len(prompts)):
         group = range(i * k, (i + 1) * k)
         winner = weighted_vote([sampled_answers[j] for j in group])
-        majority_correct.append(winner is not None and next(sampled_correct[j] for j in group
-                                                            if sampled_answers[j] == winner))  # fmt: skip
+        majority_correct.append(
+            winner is not None and next(sampled_correct[j] for j in group if sampled_answers[j] == winner)
+        )
 
     def mean(values):
         return sum(values) / len(values) if values else 0.0
@@ -144,8 +99,9 @@ def evaluate_with_engine(
         f"maj@{k}": mean(majority_correct),
         "invalid_rate": mean([answer is None for answer in sampled_answers]),
         "invalid_rate_greedy": mean([answer_func(completion_text(c)) is None for c in greedy]),
-        "truncated_rate": mean([len(sample) >= settings.max_new_tokens and sample[-1] not in engine.eos_ids
-                                for sample in sampled_ids]),  # fmt: skip
+        "truncated_rate": mean(
+            [len(sample) >= settings.max_new_tokens and sample[-1] not in engine.eos_ids for sample in sampled_ids]
+        ),
         "mean_length": mean([len(sample) for sample in sampled_ids]),
     }
 

@@ -21,11 +21,11 @@ from peft import PeftModel
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from trl.trainer.utils import create_model_from_path
 
-from .composition import effective_positive_fraction
+from .baseline import effective_positive_fraction
 from .config import TOPRConfig
 from .data import PROMPT, REWARD, check_prompts
 from .distributed import check_saves_whole_weights, release_trainer, unsharded_loading
-from .evaluation import evaluate_with_engine
+from .evaluation import evaluate_policy
 from .generation import GenerationEngine, SamplingSettings, generation_engine
 from .replay import (
     SAMPLE_ROUND,
@@ -35,7 +35,7 @@ from .replay import (
     replayed_rounds,
     with_replayed_rows,
 )
-from .sampling import RewardFuncs, behavior_logps_mismatch, checked_prompt_ids, reward_functions, sample_with_engine
+from .sampling import RewardFuncs, behavior_logps_mismatch, checked_prompt_ids, reward_functions, sample_completions
 from .trainer import TOPRTrainer
 
 
@@ -72,10 +72,15 @@ def read_rounds(output_dir: str) -> list[dict[str, Any]]:
             rounds.append(json.loads(line))
         except json.JSONDecodeError as error:
             if number < len(lines):
-                raise ValueError(f"{path}, line {number}, is not JSON ({error}): only a last line cut by a kill is "
-                                 "read as an unfinished round. Fix or remove the line.") from error
-            warnings.warn(f"{path} ends with a cut line (a round that was being recorded when the loop stopped): "
-                          "reading it as unfinished, so the loop redoes that round.", stacklevel=2)
+                raise ValueError(
+                    f"{path}, line {number}, is not JSON ({error}): only a last line cut by a kill is "
+                    "read as an unfinished round. Fix or remove the line."
+                ) from error
+            warnings.warn(
+                f"{path} ends with a cut line (a round that was being recorded when the loop stopped): "
+                "reading it as unfinished, so the loop redoes that round.",
+                stacklevel=2,
+            )
     return rounds
 
 
@@ -106,6 +111,23 @@ def plot_rounds(rounds: list[dict[str, Any]], path: str) -> None:
     plt.close(figure)
 
 
+class LoopCallback:
+    """
+    Hooks into the rounds of [`run_topr_loop`], as `TrainerCallback` hooks into a trainer's steps: subclass it,
+    override the events you need and pass instances as `callbacks`. Every process calls them. An exception raised in
+    one stops the loop there (the rounds recorded so far stay: the loop resumes from them).
+    """
+
+    def on_round_begin(self, round_index: int) -> None:
+        """Round `round_index` (1, 2, ...) is about to start: nothing of it is sampled or written yet."""
+
+    def on_trainer_created(self, round_index: int, trainer) -> None:
+        """The round's [`TOPRTrainer`] is built, before it trains."""
+
+    def on_round_end(self, metrics: dict[str, Any]) -> None:
+        """A round's line is recorded in `metrics.jsonl` (round 0 too, the initial model's evaluation): `metrics`."""
+
+
 def run_topr_loop(
     model: str,
     train_prompts: Dataset,
@@ -126,6 +148,7 @@ def run_topr_loop(
     progress: bool = True,
     engine: GenerationEngine | None = None,
     replay_rounds: int = 0,
+    callbacks: list[LoopCallback] | None = None,
 ) -> list[dict[str, Any]]:
     """
     Iterative TOPR, as in the paper: each round samples with the current model (mu = that model), scores, curates,
@@ -149,9 +172,10 @@ def run_topr_loop(
             Reward functions with TRL GRPO's signature, see [`sample_completions`].
         args ([`TOPRConfig`]):
             Training configuration of every round; `output_dir` is the loop's folder, and each round trains
-            `num_train_epochs` on its data (or `max_steps` steps, when set), with a fresh optimizer and schedule. With `use_vllm` (TRL's `vllm_*` options), vLLM samples and evaluates: started once, it reloads each
-            round's saved folder in place, and its log-probs are compared with the trainer's
-            (`behavior_logps_mismatch_*` metrics); see [`~trl_topr.config.VLLMArguments`].
+            `num_train_epochs` on its data (or `max_steps` steps, when set), with a fresh optimizer and schedule. With
+            `use_vllm` (TRL's `vllm_*` options), vLLM samples and evaluates: started once, it reloads each round's
+            saved folder in place, and its log-probs are compared with the trainer's (`behavior_logps_mismatch_*`
+            metrics); see [`~trl_topr.generation.arguments.VLLMArguments`].
         num_rounds (`int`, *optional*, defaults to `1`):
             Total number of rounds, those already completed in `output_dir` included (0: evaluate the initial model
             only). Fewer than the folder has completed is refused.
@@ -194,6 +218,9 @@ def run_topr_loop(
             cut (fewer rows than its round recorded, or a line that is not a whole row), stops the loop with an error
             naming the file and the line, before the round samples (resumed rounds) or trains; no completed round is
             lost (see [`~trl_topr.replay.read_train_rows`]).
+        callbacks (`list[LoopCallback]`, *optional*):
+            Hooks called at the start of each round, when its trainer is built and when its line is recorded (see
+            [`LoopCallback`]).
 
     Returns:
         `list[dict[str, Any]]`: the metrics of every completed round, round 0 included.
@@ -205,13 +232,23 @@ def run_topr_loop(
     """
     sampling = sampling or SamplingSettings(num_samples=4)  # `sample_completions`' defaults
     eval_sampling = eval_sampling or SamplingSettings(num_samples=4, seed=0)  # `evaluate_policy`'s
-    _check_arguments(model, args, num_rounds, replay_rounds, sampling, eval_sampling, engine,
-                     curate=curate, correct_func=correct_func, answer_func=answer_func)  # fmt: skip
+    _check_arguments(
+        model,
+        args,
+        num_rounds,
+        replay_rounds,
+        sampling,
+        eval_sampling,
+        engine,
+        curate=curate,
+        correct_func=correct_func,
+        answer_func=answer_func,
+    )
     _check_prompts_and_rewards(train_prompts, eval_prompts, reward_funcs, reward_weights, correct_func, answer_func)
     processing_class = processing_class or AutoTokenizer.from_pretrained(model)
     checked_prompt_ids(processing_class, list(train_prompts[PROMPT]), args.max_length, "train prompts")
     models = _RoundModels(model, args, processing_class, peft_config, quantization_config)
-    log = _RoundLog(args.output_dir)
+    log = _RoundLog(args.output_dir, callbacks or [])
     log.check_resumable(num_rounds, replay_rounds)  # before anything is written
     engine_of_the_loop = engine is None
 
@@ -220,8 +257,16 @@ def run_topr_loop(
         metrics = {}
         for name, prompts in _named(eval_prompts).items():
             logger.info(f"Evaluating on {len(prompts)} held-out prompts{f' ({name})' if name else ''}")
-            values = evaluate_with_engine(engine, processing_class, prompts, correct_func, answer_func, eval_sampling,
-                                          progress)  # fmt: skip
+            values = evaluate_policy(
+                None,
+                processing_class,
+                prompts,
+                correct_func,
+                answer_func,
+                eval_sampling,
+                engine=engine,
+                progress=progress,
+            )
             metrics.update({f"{name}/{key}" if name else key: value for key, value in values.items()})
         return metrics
 
@@ -238,21 +283,36 @@ def run_topr_loop(
             engine = engine or generation_engine(policy, processing_class, args)
             engine.load_weights(previous, model=policy)
             logger.info(f"Round {round_index}/{num_rounds}: sampling completions of {len(train_prompts)} prompts")
-            samples = sample_with_engine(engine, policy, processing_class, train_prompts, reward_funcs,
-                                         sampling.replace(seed=args.seed + round_index), args,
-                                         reward_weights=reward_weights, progress=progress)  # fmt: skip
+            samples = sample_completions(
+                policy,
+                train_prompts,
+                reward_funcs,
+                processing_class=processing_class,
+                reward_weights=reward_weights,
+                args=args,
+                engine=engine,
+                progress=progress,
+                sampling=sampling.replace(seed=args.seed + round_index),
+            )
             log.save_samples(samples, round_dir)
             own = curate(samples) if curate is not None else samples
             own = own.add_column(SAMPLE_ROUND, [round_index] * len(own))
             log.save_train_rows(own, round_dir)
             train_data = with_replayed_rows(own, log.output_dir, round_index, replay_rounds, log.recorded_rows())
             trainer = _round_trainer(policy, train_data, args, round_dir, processing_class, peft_config)
+            log.trainer_created(round_index, trainer)
             ages = _ages(policy, train_data, round_index, args, trainer, sampling) if replay_rounds else {}
             train_loss = trainer.train().training_loss
             log.save_trainer_state(trainer, round_dir)
             models.save(trainer, previous, round_dir)
-            log.record({"round": round_index, **_round_metrics(samples, own, train_data, trainer, train_loss), **ages,
-                        **evaluate(str(round_dir), trainer.model, getattr(trainer, "deepspeed", None))})  # fmt: skip
+            log.record(
+                {
+                    "round": round_index,
+                    **_round_metrics(samples, own, train_data, trainer, train_loss),
+                    **ages,
+                    **evaluate(str(round_dir), trainer.model, getattr(trainer, "deepspeed", None)),
+                }
+            )
             engine.release_weights()
             release_trainer(trainer)  # the round's model, optimizer and training engine go with it
             del trainer, policy
@@ -266,9 +326,11 @@ def run_topr_loop(
 def _check_arguments(model, args, num_rounds, replay_rounds, sampling, eval_sampling, engine, **callables) -> None:
     # The loop's own arguments, before anything is loaded or written
     if not isinstance(model, (str, os.PathLike)):
-        raise TypeError(f"`model` is the id or path of the initial model, got a {type(model).__name__}: save a model "
-                        "in memory with `save_pretrained` and pass its folder (each round loads the previous round's "
-                        "folder).")  # fmt: skip
+        raise TypeError(
+            f"`model` is the id or path of the initial model, got a {type(model).__name__}: save a model "
+            "in memory with `save_pretrained` and pass its folder (each round loads the previous round's "
+            "folder)."
+        )
     if not isinstance(args, TOPRConfig):
         raise TypeError(f"`args` must be a `TOPRConfig`, got a {type(args).__name__}.")
     for name, value in (("num_rounds", num_rounds), ("replay_rounds", replay_rounds)):
@@ -276,10 +338,14 @@ def _check_arguments(model, args, num_rounds, replay_rounds, sampling, eval_samp
             raise ValueError(f"`{name}` must be an integer >= 0, got {value!r}.")
     for name, value in (("sampling", sampling), ("eval_sampling", eval_sampling)):
         if not isinstance(value, SamplingSettings):
-            raise TypeError(f"`{name}` must be a `SamplingSettings` (`trl_topr.generation`), got a "
-                            f"{type(value).__name__}: e.g. `SamplingSettings(num_samples=4, max_new_tokens=256)`.")
+            raise TypeError(
+                f"`{name}` must be a `SamplingSettings` (`trl_topr.generation`), got a "
+                f"{type(value).__name__}: e.g. `SamplingSettings(num_samples=4, max_new_tokens=256)`."
+            )
     if engine is not None and not isinstance(engine, GenerationEngine):
-        raise TypeError(f"`engine` must be a `GenerationEngine` (`trl_topr.generation`), got a {type(engine).__name__}.")
+        raise TypeError(
+            f"`engine` must be a `GenerationEngine` (`trl_topr.generation`), got a {type(engine).__name__}."
+        )
     for name, value in callables.items():
         if value is not None and not callable(value):
             raise TypeError(f"`{name}` must be callable, got a {type(value).__name__}.")
@@ -342,27 +408,39 @@ def _round_trainer(policy, train_data: Dataset, args: TOPRConfig, round_dir: Pat
     if args.target_positive_fraction is not None and len(set(train_data[REWARD])) < 2:
         # no baseline changes a one-sided round's composition: train it with baseline 0, as the online trainer
         # does for such a batch, rather than stop the loop
-        logger.info(f"{round_dir.name}: every reward is {train_data[REWARD][0]}, so `target_positive_fraction` "
-                    "cannot be met: this round trains with baseline 0")
+        logger.info(
+            f"{round_dir.name}: every reward is {train_data[REWARD][0]}, so `target_positive_fraction` "
+            "cannot be met: this round trains with baseline 0"
+        )
         round_args = dataclasses.replace(round_args, target_positive_fraction=None)
-    trainer = TOPRTrainer(policy, args=round_args, train_dataset=train_data, processing_class=processing_class,
-                          peft_config=peft_config)  # fmt: skip
+    trainer = TOPRTrainer(
+        policy, args=round_args, train_dataset=train_data, processing_class=processing_class, peft_config=peft_config
+    )
     check_saves_whole_weights(trainer)  # the next round loads this round's saved model
     positives = sum(r - trainer.baseline >= 0 for r in train_data[REWARD]) / len(train_data)
-    logger.info(f"{round_dir.name}: training {args.num_train_epochs:g} epoch(s) of TOPR on {len(train_data)} "
-                f"completions ({positives:.0%} positive)")
+    logger.info(
+        f"{round_dir.name}: training {args.num_train_epochs:g} epoch(s) of TOPR on {len(train_data)} "
+        f"completions ({positives:.0%} positive)"
+    )
     return trainer
 
 
 def _ages(policy, train_data: Dataset, round_index: int, args: TOPRConfig, trainer, sampling: SamplingSettings):
     # The metrics by sample age, with the round's starting policy, before its first update
-    tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
-    return metrics_by_age(policy, train_data, round_index, args, trainer.baseline, tokenizer.pad_token_id,
-                          batch_size=sampling.batch_size)  # fmt: skip
+    return metrics_by_age(
+        policy,
+        train_data,
+        round_index,
+        args,
+        trainer.baseline,
+        trainer.processing_class,
+        batch_size=sampling.batch_size,
+    )
 
 
-def _round_metrics(samples: Dataset, own: Dataset, train_data: Dataset, trainer: TOPRTrainer,
-                   train_loss: float) -> dict[str, Any]:  # fmt: skip
+def _round_metrics(
+    samples: Dataset, own: Dataset, train_data: Dataset, trainer: TOPRTrainer, train_loss: float
+) -> dict[str, Any]:
     # What a round's line records besides the evaluation
     rewards = list(samples[REWARD])
     return {
@@ -379,9 +457,10 @@ def _round_metrics(samples: Dataset, own: Dataset, train_data: Dataset, trainer:
 
 class _RoundLog:
     # The loop's folder: the completed rounds (`metrics.jsonl`, replaced whole at each round, and its plot), and each
-    # round's folder, its samples and training logs. The main process writes; every process keeps the rounds.
-    def __init__(self, output_dir: str):
-        self.output_dir, self.state = Path(output_dir), PartialState()
+    # round's folder, its samples and training logs. The main process writes; every process keeps the rounds and
+    # calls the callbacks.
+    def __init__(self, output_dir: str, callbacks: list[LoopCallback]):
+        self.output_dir, self.state, self.callbacks = Path(output_dir), PartialState(), callbacks
         if self.output_dir.exists() and not self.output_dir.is_dir():
             raise NotADirectoryError(f"`output_dir` {self.output_dir} is a file: the loop needs a folder.")
         self.rounds = read_rounds(str(self.output_dir))  # the completed rounds: the loop resumes after the last
@@ -405,12 +484,18 @@ class _RoundLog:
         return {r["round"]: r["num_new_train_rows"] for r in self.rounds if "num_new_train_rows" in r}
 
     def start_round(self, round_index: int) -> Path:
+        for callback in self.callbacks:
+            callback.on_round_begin(round_index)
         round_dir = self.output_dir / f"round-{round_index}"
         if self.state.is_main_process:
             shutil.rmtree(round_dir, ignore_errors=True)  # an interrupted attempt is redone from its start
             round_dir.mkdir(parents=True)
         self.state.wait_for_everyone()
         return round_dir
+
+    def trainer_created(self, round_index: int, trainer: TOPRTrainer) -> None:
+        for callback in self.callbacks:
+            callback.on_trainer_created(round_index, trainer)
 
     def save_samples(self, samples: Dataset, round_dir: Path) -> None:
         if self.state.is_main_process:
@@ -438,3 +523,5 @@ class _RoundLog:
         self.state.wait_for_everyone()
         shown = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
         logger.info(f"Round {metrics['round']} done: {shown}")
+        for callback in self.callbacks:
+            callback.on_round_end(metrics)

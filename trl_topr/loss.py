@@ -18,7 +18,17 @@ import math
 import torch
 
 
-LOSS_TYPES = ("topr", "reinforce", "is", "tis", "positives_only", "ppo_clip")
+# Each loss type and its weights of positives / negatives: the one list of them (the configurations' help reads it)
+LOSS_TYPE_WEIGHTS = {
+    "topr": "1 / clip(pi/mu, 0, 1)",
+    "reinforce": "1 / 1",
+    "is": "pi/mu / pi/mu",
+    "tis": "clip(pi/mu, 0, 1) for both",
+    "positives_only": "1 / 0",
+    "ppo_clip": "PPO's clipped surrogate",
+}
+LOSS_TYPES = tuple(LOSS_TYPE_WEIGHTS)
+LOSS_TYPES_HELP = ", ".join(f"'{name}' ({weights})" for name, weights in LOSS_TYPE_WEIGHTS.items())
 RATIO_LEVELS = ("sequence", "token", "sequence_mean")
 LOSS_NORMALIZATIONS = ("sequence_length", "token_mean", "sum")
 
@@ -32,8 +42,8 @@ RATIO_BOUNDS = {
     "positives_only": ((1.0, 1.0), (0.0, 0.0)),
 }
 
-# exp(20) ~ 4.9e8. Only untruncated windows (upper bound inf, e.g. `loss_type="is"`) ever reach this cap: it keeps their
-# weight, and so the loss, finite in float32 whatever the log-ratio.
+# exp(20) ~ 4.9e8. Only untruncated windows (upper bound inf, e.g. `loss_type="is"`) ever reach this cap: it keeps
+# their weight, and so the loss, finite in float32 whatever the log-ratio.
 MAX_LOG_RATIO = 20.0
 # A negative counts as tapered when its weight is below this: its ratio 1% or more under 1, not float noise (an
 # on-policy sequence's log-ratio is off 0 by about 1e-6 from one forward to another, which `< 1` counted).
@@ -77,6 +87,52 @@ def resolve_ratio_bounds(
         if not (0.0 <= low <= high) or math.isnan(high):
             raise ValueError(f"`{name}` must satisfy 0 <= low <= high, got ({low}, {high}).")
     return bounds
+
+
+def check_loss_options(
+    loss_type: str = "topr",
+    ratio_level: str = "sequence",
+    loss_normalization: str = "sequence_length",
+    positive_ratio_bounds=None,
+    negative_ratio_bounds=None,
+    epsilon: float = 0.2,
+) -> None:
+    """
+    Check the options of the TOPR objective, as [`topr_loss`] and the configurations take them: each by its name.
+
+    Args:
+        loss_type (`str`, *optional*, defaults to `"topr"`):
+            One of `LOSS_TYPES`.
+        ratio_level (`str`, *optional*, defaults to `"sequence"`):
+            One of `RATIO_LEVELS`.
+        loss_normalization (`str`, *optional*, defaults to `"sequence_length"`):
+            One of `LOSS_NORMALIZATIONS`.
+        positive_ratio_bounds (`tuple[float, float]`, *optional*):
+            Custom window `[low, high]` of the positives' ratio.
+        negative_ratio_bounds (`tuple[float, float]`, *optional*):
+            Custom window `[low, high]` of the negatives' ratio.
+        epsilon (`float`, *optional*, defaults to `0.2`):
+            Trust region of `"ppo_clip"`, in (0, 1).
+
+    Raises:
+        `ValueError`: naming the first option with a wrong value.
+    """
+    for name, value, allowed in (
+        ("loss_type", loss_type, LOSS_TYPES),
+        ("ratio_level", ratio_level, RATIO_LEVELS),
+        ("loss_normalization", loss_normalization, LOSS_NORMALIZATIONS),
+    ):
+        if value not in allowed:
+            raise ValueError(f"Unknown `{name}` {value!r}: expected one of {allowed}.")
+    for name, bounds in (
+        ("positive_ratio_bounds", positive_ratio_bounds),
+        ("negative_ratio_bounds", negative_ratio_bounds),
+    ):
+        if bounds is not None and len(bounds) != 2:
+            raise ValueError(f"`{name}` must be two numbers [low, high], got {bounds}.")
+    resolve_ratio_bounds(loss_type, positive_ratio_bounds, negative_ratio_bounds)
+    if not 0.0 < epsilon < 1.0:
+        raise ValueError(f"`epsilon` must be in (0, 1), got {epsilon}.")
 
 
 def _clipped_ratio(log_ratio: torch.Tensor, bounds: tuple[float, float]) -> torch.Tensor:
@@ -214,10 +270,9 @@ def topr_loss(
 
     ```
     """
-    if ratio_level not in RATIO_LEVELS:
-        raise ValueError(f"Unknown `ratio_level` {ratio_level!r}: expected one of {RATIO_LEVELS}.")
-    if loss_normalization not in LOSS_NORMALIZATIONS:
-        raise ValueError(f"Unknown `loss_normalization` {loss_normalization!r}: expected one of {LOSS_NORMALIZATIONS}.")
+    check_loss_options(
+        loss_type, ratio_level, loss_normalization, positive_ratio_bounds, negative_ratio_bounds, epsilon
+    )
     if ratio_level == "token" and behavior_logps.dim() != 2:
         raise ValueError("`ratio_level='token'` needs per-token `behavior_logps` of shape (B, T).")
 

@@ -10,28 +10,44 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.trainer import grpo_trainer
 from trl.trainer.utils import get_config_model_id
 
-from .composition import baseline_for_positive_fraction
-from .config import ActivationCheckpointingName, TOPRConfig, apply_training_defaults
-from .loss import (
-    LOSS_NORMALIZATIONS,
-    LOSS_TYPES,
-    RATIO_LEVELS,
-    combine_metrics,
-    resolve_ratio_bounds,
-    topr_loss,
-)
-from .trainer import TOPRTrainer, record_metrics
+from .baseline import baseline_for_positive_fraction
+from .config import ActivationCheckpointingName, TOPRConfig, apply_training_defaults, check_topr_options
 from .generation.vllm_engine import TOPRVLLMGeneration
+from .loss import LOSS_TYPES_HELP, topr_loss
+from .trainer import TOPRTrainer, record_metrics, with_logged_metrics
 
 
 # Options of GRPO's own loss, which TOPR's loss replaces, with the value that leaves them off.
-GRPO_LOSS_OPTIONS = {"beta": 0.0, "delta": None, "epsilon_high": None, "importance_sampling_level": "token",
-                     "top_entropy_quantile": 1.0, "off_policy_mask_threshold": None, "entropy_coef": 0.0,
-                     "use_adaptive_entropy": False}
-TOPR_OPTIONS = ("loss_type", "ratio_level", "loss_normalization", "positive_ratio_bounds", "negative_ratio_bounds",
-                "epsilon")
-MULTIMODAL_INPUTS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
-                     "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+GRPO_LOSS_OPTIONS = {
+    "beta": 0.0,
+    "delta": None,
+    "epsilon_high": None,
+    "importance_sampling_level": "token",
+    "top_entropy_quantile": 1.0,
+    "off_policy_mask_threshold": None,
+    "entropy_coef": 0.0,
+    "use_adaptive_entropy": False,
+}
+TOPR_OPTIONS = (
+    "loss_type",
+    "ratio_level",
+    "loss_normalization",
+    "positive_ratio_bounds",
+    "negative_ratio_bounds",
+    "epsilon",
+)
+MULTIMODAL_INPUTS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
 
 
 def _like_topr(name: str, **metadata):
@@ -80,8 +96,11 @@ class TOPRGRPOConfig(ActivationCheckpointingName, GRPOConfig):
     hardware.
     """
 
-    loss_type: str = _like_topr("loss_type", help="TOPR's weighting: 'topr', 'reinforce', 'is', 'tis', "
-                                "'positives_only' or 'ppo_clip'. Replaces GRPOConfig's grpo/dapo/... `loss_type`.")
+    loss_type: str = _like_topr(
+        "loss_type",
+        help=f"TOPR's weighting of positives / negatives: {LOSS_TYPES_HELP}. "
+        "Replaces GRPOConfig's grpo/dapo/... `loss_type`.",
+    )
     positive_ratio_bounds: list[float] | None = _like_topr("positive_ratio_bounds")
     negative_ratio_bounds: list[float] | None = _like_topr("negative_ratio_bounds")
     epsilon: float = _like_topr("epsilon", help="Trust region of `loss_type='ppo_clip'` (GRPO's clipping epsilon).")
@@ -89,8 +108,9 @@ class TOPRGRPOConfig(ActivationCheckpointingName, GRPOConfig):
     loss_normalization: str = _like_topr("loss_normalization")
     baseline: float | None = _like_topr("baseline")
     target_positive_fraction: float | None = _like_topr(
-        "target_positive_fraction", help="Target effective positive fraction in (0, 1): the baseline is derived from "
-        "each generation batch. Exclusive with `baseline` and `group_baseline`."
+        "target_positive_fraction",
+        help="Target effective positive fraction in (0, 1): the baseline is derived from "
+        "each generation batch. Exclusive with `baseline` and `group_baseline`.",
     )
     group_baseline: bool = field(
         default=False, metadata={"help": "Use the mean reward of each prompt's completions as the baseline."}
@@ -104,19 +124,7 @@ class TOPRGRPOConfig(ActivationCheckpointingName, GRPOConfig):
     def __post_init__(self):
         apply_training_defaults(self)  # the precision from the hardware, as TOPRConfig
         super().__post_init__()
-        for name, allowed in zip(("loss_type", "ratio_level", "loss_normalization"),
-                                 (LOSS_TYPES, RATIO_LEVELS, LOSS_NORMALIZATIONS), strict=True):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"Unknown `{name}` {getattr(self, name)!r}: expected one of {allowed}.")
-        if any(b is not None and len(b) != 2 for b in (self.positive_ratio_bounds, self.negative_ratio_bounds)):
-            raise ValueError("`positive_ratio_bounds` and `negative_ratio_bounds` take two numbers [low, high].")
-        resolve_ratio_bounds(self.loss_type, self.positive_ratio_bounds, self.negative_ratio_bounds)
-        if not 0.0 < self.epsilon < 1.0:
-            raise ValueError(f"`epsilon` must be in (0, 1), got {self.epsilon}.")
-        if sum([self.baseline is not None, self.target_positive_fraction is not None, self.group_baseline]) > 1:
-            raise ValueError("Set at most one of `baseline`, `target_positive_fraction` and `group_baseline`.")
-        if self.target_positive_fraction is not None and not 0.0 < self.target_positive_fraction < 1.0:
-            raise ValueError(f"`target_positive_fraction` must be in (0, 1), got {self.target_positive_fraction}.")
+        check_topr_options(self)
         for name, off in GRPO_LOSS_OPTIONS.items():
             if getattr(self, name) != off:
                 raise ValueError(f"`{name}` is an option of GRPO's loss, which TOPR replaces: leave it at {off!r}.")
@@ -181,8 +189,13 @@ class TOPRGRPOTrainer(GRPOTrainer):
             args = TOPRGRPOConfig(f"{model_name.split('/')[-1]}-TOPR-GRPO")
         elif not isinstance(args, TOPRGRPOConfig):
             raise TypeError(f"`args` must be a TOPRGRPOConfig, got {type(args).__name__}: swap GRPOConfig for it.")
-        # GRPO builds TRL's vLLM sampler inline; ours is TRL's class with vLLM's CPU build fixed (see `trl_topr.generation.vllm_engine`)
-        with _replaced(grpo_trainer, "VLLMGeneration", TOPRVLLMGeneration) if args.use_vllm else contextlib.nullcontext():
+        # GRPO builds TRL's vLLM sampler inline; ours is TRL's class with vLLM's CPU build fixed (see
+        # `trl_topr.generation.vllm_engine`)
+        with (
+            _replaced(grpo_trainer, "VLLMGeneration", TOPRVLLMGeneration)
+            if args.use_vllm
+            else contextlib.nullcontext()
+        ):
             super().__init__(model, reward_funcs, args, *more_args, **kwargs)
         self._topr_metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
 
@@ -215,8 +228,13 @@ class TOPRGRPOTrainer(GRPOTrainer):
         input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
         per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True,
-            compute_aux_loss=self.aux_loss_enabled, **{name: inputs.get(name) for name in MULTIMODAL_INPUTS}
+            model,
+            input_ids,
+            attention_mask,
+            completion_ids.size(1),
+            compute_entropy=True,
+            compute_aux_loss=self.aux_loss_enabled,
+            **{name: inputs.get(name) for name in MULTIMODAL_INPUTS},
         )
         # mu: GRPO leaves `old_per_token_logps` out when every step is on-policy; vLLM's log-probs are the sampler's.
         behavior_logps = inputs.get("old_per_token_logps", per_token_logps.detach())
@@ -233,8 +251,9 @@ class TOPRGRPOTrainer(GRPOTrainer):
             num_items = inputs["num_items_in_batch"] / self.accelerator.num_processes
             if mode == "train":
                 num_items = num_items * self.current_gradient_accumulation_steps / self.args.steps_per_generation
-        loss, metrics = topr_loss(per_token_logps, mask, advantages, behavior_logps, num_items_in_batch=num_items,
-                                  **options)
+        loss, metrics = topr_loss(
+            per_token_logps, mask, advantages, behavior_logps, num_items_in_batch=num_items, **options
+        )
         if num_items is None:
             loss = loss / accumulation
         if self.aux_loss_enabled:
@@ -246,10 +265,5 @@ class TOPRGRPOTrainer(GRPOTrainer):
         return loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        # TOPR's metrics, combined exactly over the logging interval (weighted by their counts, see
-        # `combine_metrics`), next to GRPO's own
-        mode = "train" if self.model.training else "eval"
-        prefix = "eval_" if mode == "eval" else ""
-        logs.update({prefix + name: value for name, value in combine_metrics(self._topr_metrics[mode]).items()})
-        self._topr_metrics[mode].clear()
-        super().log(logs, start_time)
+        # TOPR's metrics next to GRPO's own
+        super().log(with_logged_metrics(logs, self._topr_metrics, self.model.training), start_time)

@@ -1,4 +1,5 @@
-"""Precision chosen from the hardware: bf16 where it runs faster than float32 on the training device, float32 elsewhere.
+"""Precision chosen from the hardware: bf16 where it runs faster than float32 on the training device, float32
+elsewhere.
 
 TRL's configurations turn bf16 mixed precision on by default. That is right on recent GPUs and wrong on many CPUs,
 where bf16 matmuls are emulated and run many times slower than float32. CPU flags do not settle it: on CPUs with
@@ -76,7 +77,10 @@ def measure_cpu_bf16_speedup() -> float:
         return quick
     fp32 = bf16 = math.inf
     for _ in range(5):
-        fp32, bf16 = min(fp32, _best_seconds(torch.float32, 1024, 1)), min(bf16, _best_seconds(torch.bfloat16, 1024, 1))
+        fp32, bf16 = (
+            min(fp32, _best_seconds(torch.float32, 1024, 1)),
+            min(bf16, _best_seconds(torch.bfloat16, 1024, 1)),
+        )
         if bf16 > 4 * fp32:  # slow beyond doubt: no need for more products
             break
     return fp32 / bf16
@@ -96,7 +100,9 @@ def cpu_name() -> str:
 def _speedup_key() -> str:
     # What decides the probe's result: the CPU, torch, and the kernels torch and oneDNN are allowed to use
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "")
-    return f"{cpu_name()} | torch {torch.__version__} | {torch.backends.cpu.get_cpu_capability()} | oneDNN {isa or 'any'}"
+    return (
+        f"{cpu_name()} | torch {torch.__version__} | {torch.backends.cpu.get_cpu_capability()} | oneDNN {isa or 'any'}"
+    )
 
 
 def speedup_cache_path() -> Path:
@@ -185,8 +191,10 @@ def precision_reason(device: str) -> str:
         speedup, path = cpu_bf16_speedup(), speedup_cache_path()
         shown = f"~/{path.relative_to(Path.home())}" if path.is_relative_to(Path.home()) else str(path)
         kept = f"measured once, cached in {shown}" if path.exists() else "measured by this process (no cache)"
-        return (f"bf16 matmuls ran {speedup:.2f}x float32's on this CPU ({cpu_name()}), bf16 needs "
-                f"{BF16_SPEEDUP_NEEDED}x; {kept}")  # fmt: skip
+        return (
+            f"bf16 matmuls ran {speedup:.2f}x float32's on this CPU ({cpu_name()}), bf16 needs "
+            f"{BF16_SPEEDUP_NEEDED}x; {kept}"
+        )
     if device == "cuda":
         return "the GPU has bf16 units" if bf16_is_faster("cuda") else "the GPU has no bf16 units"
     return f"bf16 assumed on {device}, as in TRL"
@@ -195,8 +203,8 @@ def precision_reason(device: str) -> str:
 def resolve_bf16(bf16: bool | None, fp16: bool = False, use_cpu: bool = False) -> bool:
     """
     The `bf16` setting to train with: the user's choice when given, else bf16 where it runs faster on the training
-    device (see [`bf16_is_faster`]) and fp16 is not asked for. The choice the rule makes is logged once per process with
-    its reason; an explicit `bf16=True` on a CPU where bf16 is slower is respected, with a warning.
+    device (see [`bf16_is_faster`]) and fp16 is not asked for. The choice the rule makes is logged once per process
+    with its reason; an explicit `bf16=True` on a CPU where bf16 is slower is respected, with a warning.
 
     Args:
         bf16 (`bool`, *optional*):
@@ -214,8 +222,10 @@ def resolve_bf16(bf16: bool | None, fp16: bool = False, use_cpu: bool = False) -
         chosen = not fp16 and bf16_is_faster(device)
         if not fp16 and ("chosen", device) not in _warned:
             _warned.add(("chosen", device))
-            logger.info(f"Precision: {'bf16' if chosen else 'float32'} on {device} ({precision_reason(device)}). "
-                        f"Set `bf16` (`--bf16 true` / `--bf16 false`) to choose.")  # fmt: skip
+            logger.info(
+                f"Precision: {'bf16' if chosen else 'float32'} on {device} ({precision_reason(device)}). "
+                f"Set `bf16` (`--bf16 true` / `--bf16 false`) to choose."
+            )
         return chosen
     if bf16 and device == "cpu" and not bf16_is_faster("cpu") and "cpu" not in _warned:
         _warned.add("cpu")

@@ -9,10 +9,9 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 
-from .behavior import behavior_logps
 from .data import BEHAVIOR_LOGPS, COMPLETION_IDS, PROMPT_IDS, REWARD, TOPRDataError
+from .logprobs import behavior_logps, completion_row, logps_settings
 from .loss import TAPERED_BELOW, topr_weights
-from .precision import training_autocast
 
 
 TRAIN_ROWS_FILE = "train.jsonl"
@@ -45,26 +44,33 @@ def read_train_rows(output_dir: Path, round_index: int, recorded_rows: int | Non
         columns replay needs (a file cut mid-line), and for a file with fewer rows than the round recorded.
     """
     path = Path(output_dir) / f"round-{round_index}" / TRAIN_ROWS_FILE
-    recovery = (f"Restore it from a copy, or go on without replaying round {round_index} (a lower `replay_rounds`, "
-                "or a new `output_dir`).")  # fmt: skip
+    recovery = (
+        f"Restore it from a copy, or go on without replaying round {round_index} (a lower `replay_rounds`, "
+        "or a new `output_dir`)."
+    )
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: round {round_index}'s training rows, which replay trains again. "
-                                f"{recovery}")  # fmt: skip
+        raise FileNotFoundError(
+            f"{path} is missing: round {round_index}'s training rows, which replay trains again. {recovery}"
+        )
     rows = []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         try:
             row = json.loads(line)
         except json.JSONDecodeError as error:
-            raise TOPRDataError(f"{path}, line {number}: not a JSON row ({error}); the file was cut or damaged. "
-                                f"{recovery}") from error  # fmt: skip
+            raise TOPRDataError(
+                f"{path}, line {number}: not a JSON row ({error}); the file was cut or damaged. {recovery}"
+            ) from error
         missing = [c for c in REPLAYED_COLUMNS if not isinstance(row, dict) or c not in row]
         if missing:
-            raise TOPRDataError(f"{path}, line {number}: no {missing} (replay needs {list(REPLAYED_COLUMNS)}). "
-                                f"{recovery}")  # fmt: skip
+            raise TOPRDataError(
+                f"{path}, line {number}: no {missing} (replay needs {list(REPLAYED_COLUMNS)}). {recovery}"
+            )
         rows.append(row)
     if recorded_rows is not None and len(rows) != recorded_rows:
-        raise TOPRDataError(f"{path} has {len(rows)} rows where round {round_index} recorded {recorded_rows}: the "
-                            f"file was cut after line {len(rows)}. {recovery}")  # fmt: skip
+        raise TOPRDataError(
+            f"{path} has {len(rows)} rows where round {round_index} recorded {recorded_rows}: the "
+            f"file was cut after line {len(rows)}. {recovery}"
+        )
     return rows
 
 
@@ -85,8 +91,9 @@ def replayed_rounds(round_index: int, replay_rounds: int) -> range:
     return range(max(1, round_index - replay_rounds), round_index)
 
 
-def with_replayed_rows(rows: Dataset, output_dir: Path, round_index: int, replay_rounds: int,
-                       recorded_rows: dict[int, int] | None = None) -> Dataset:  # fmt: skip
+def with_replayed_rows(
+    rows: Dataset, output_dir: Path, round_index: int, replay_rounds: int, recorded_rows: dict[int, int] | None = None
+) -> Dataset:
     """
     A round's own training rows followed by those of the `replay_rounds` rounds before it, as they were saved
     (`round-<r>/train.jsonl`: curated, with the behavior log-probs of their sampling and their `sample_round`), read
@@ -115,8 +122,9 @@ def with_replayed_rows(rows: Dataset, output_dir: Path, round_index: int, replay
     return Dataset.from_list(rows.to_list() + earlier) if earlier else rows
 
 
-def metrics_by_age(policy, rows: Dataset, round_index: int, args, baseline: float, pad_token_id: int,
-                   batch_size: int = 16) -> dict[str, float]:  # fmt: skip
+def metrics_by_age(
+    policy, rows: Dataset, round_index: int, args, baseline: float, processing_class, batch_size: int = 16
+) -> dict[str, float]:
     """
     Per sample age (0: sampled this round, k: k rounds ago), at the start of the round's training: the rows, the
     mean and smallest sequence log-ratio log pi - log mu (pi: the round's starting policy; mu: the recorded behavior
@@ -135,8 +143,8 @@ def metrics_by_age(policy, rows: Dataset, round_index: int, args, baseline: floa
             The training configuration (its `loss_type`, ratio bounds and precision).
         baseline (`float`):
             The baseline c of the round.
-        pad_token_id (`int`):
-            The tokenizer's padding id.
+        processing_class ([`~transformers.PreTrainedTokenizerBase`]):
+            The tokenizer (its padding id).
         batch_size (`int`, *optional*, defaults to `16`):
             Rows per forward.
 
@@ -144,29 +152,35 @@ def metrics_by_age(policy, rows: Dataset, round_index: int, args, baseline: floa
         `dict[str, float]`: `age_<k>/rows`, `age_<k>/log_ratio_mean`, `age_<k>/log_ratio_min`, `age_<k>/ratio_mean`,
         `age_<k>/negative_tapered_fraction` (`nan` without negatives) and `age_<k>/weight_share`.
     """
-    tokenized = [{"input_ids": p + c, "labels": [-100] * len(p) + c}
-                 for p, c in zip(rows[PROMPT_IDS], rows[COMPLETION_IDS], strict=True)]  # fmt: skip
-    pi = behavior_logps(policy, tokenized, pad_token_id=pad_token_id, batch_size=batch_size,
-                        autocast=training_autocast(args, next(policy.parameters()).device),
-                        padding_free=args.padding_free)  # fmt: skip
+    tokenized = [completion_row(p, c) for p, c in zip(rows[PROMPT_IDS], rows[COMPLETION_IDS], strict=True)]
+    settings = logps_settings(args, processing_class, next(policy.parameters()).device, batch_size=batch_size)
+    pi = behavior_logps(policy, tokenized, settings)
     log_ratio = torch.tensor([math.fsum(p) - math.fsum(m[: len(p)]) for p, m in zip(pi, rows[BEHAVIOR_LOGPS])])
     advantages = torch.tensor(rows[REWARD], dtype=torch.float64) - baseline
-    weights = topr_weights(log_ratio, advantages, loss_type=args.loss_type, epsilon=args.epsilon,
-                           positive_ratio_bounds=args.positive_ratio_bounds,
-                           negative_ratio_bounds=args.negative_ratio_bounds)  # fmt: skip
+    weights = topr_weights(
+        log_ratio,
+        advantages,
+        loss_type=args.loss_type,
+        epsilon=args.epsilon,
+        positive_ratio_bounds=args.positive_ratio_bounds,
+        negative_ratio_bounds=args.negative_ratio_bounds,
+    )
     mass = weights * advantages.abs()
     ages = torch.tensor([round_index - r for r in rows[SAMPLE_ROUND]])
     metrics = {}
     for age in sorted(set(ages.tolist())):
         at = ages == age
         negatives = at & (advantages < 0)
-        metrics.update({
-            f"age_{age}/rows": int(at.sum()),
-            f"age_{age}/log_ratio_mean": log_ratio[at].mean().item(),
-            f"age_{age}/log_ratio_min": log_ratio[at].min().item(),
-            f"age_{age}/ratio_mean": log_ratio[at].clamp(max=50).exp().mean().item(),
-            f"age_{age}/negative_tapered_fraction": (weights[negatives] < TAPERED_BELOW).double().mean().item()
-            if negatives.any() else math.nan,
-            f"age_{age}/weight_share": (mass[at].sum() / mass.sum()).item() if mass.sum() > 0 else math.nan,
-        })  # fmt: skip
+        metrics.update(
+            {
+                f"age_{age}/rows": int(at.sum()),
+                f"age_{age}/log_ratio_mean": log_ratio[at].mean().item(),
+                f"age_{age}/log_ratio_min": log_ratio[at].min().item(),
+                f"age_{age}/ratio_mean": log_ratio[at].clamp(max=50).exp().mean().item(),
+                f"age_{age}/negative_tapered_fraction": (weights[negatives] < TAPERED_BELOW).double().mean().item()
+                if negatives.any()
+                else math.nan,
+                f"age_{age}/weight_share": (mass[at].sum() / mass.sum()).item() if mass.sum() > 0 else math.nan,
+            }
+        )
     return metrics

@@ -10,11 +10,12 @@ Comparison uses `math_verify` when it is installed (so "72", "72.0" and "\frac{1
 """
 
 import math
-from collections.abc import Callable
 import re
 import threading
+from collections.abc import Callable
 
 from .data import completion_text
+
 
 try:
     from math_verify import parse, verify
@@ -183,15 +184,22 @@ def gsm8k_reward(prompts, completions, answer=None, solution=None, **kwargs) -> 
             "'... #### 72') or a `solution` column (the gold number, '72')."
         )
     predicted = [extract_final_answer(completion_text(c)) for c in completions]
-    return _plus_minus_one(predicted, golds, lambda pred, gold: answers_match(pred, gold_answer(str(gold))),
-                           "extracted_answer", kwargs.get("log_extra"))  # fmt: skip
+    return _plus_minus_one(
+        predicted,
+        golds,
+        lambda pred, gold: answers_match(pred, gold_answer(str(gold))),
+        "extracted_answer",
+        kwargs.get("log_extra"),
+    )
 
 
 def _plus_minus_one(extracted: list, truths: list, is_right: Callable, log_name: str, log_extra) -> list[float | None]:
     # +1 where the extracted value is right against its truth, -1 where it is wrong or missing (None: invalid),
     # None where the truth is None; the extracted values logged through the trainer's `log_extra` when given
-    rewards = [None if truth is None else 1.0 if value is not None and is_right(value, truth) else -1.0
-               for value, truth in zip(extracted, truths, strict=True)]  # fmt: skip
+    rewards = [
+        None if truth is None else 1.0 if value is not None and is_right(value, truth) else -1.0
+        for value, truth in zip(extracted, truths, strict=True)
+    ]
     if log_extra is not None:
         log_extra(log_name, [value if value is not None else "[invalid]" for value in extracted])
     return rewards
@@ -302,8 +310,13 @@ def verifier_reward(prompts, completions, label=None, **kwargs) -> list[float | 
             "solution is correct (trl_topr.verifier.verifier_prompts writes it)."
         )
     verdicts = [extract_verdict(completion_text(c)) for c in completions]
-    return _plus_minus_one(verdicts, label, lambda verdict, truth: verdict == ("correct" if truth else "incorrect"),
-                           "verdict", kwargs.get("log_extra"))  # fmt: skip
+    return _plus_minus_one(
+        verdicts,
+        label,
+        lambda verdict, truth: verdict == ("correct" if truth else "incorrect"),
+        "verdict",
+        kwargs.get("log_extra"),
+    )
 
 
 def verifier_invalid(prompts, completions, **kwargs) -> list[float]:

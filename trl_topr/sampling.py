@@ -12,17 +12,14 @@ towards the model's own distribution, not the tempered or truncated one.
 """
 
 import math
-import tempfile
 from collections.abc import Callable
 
-import torch
 from accelerate.logging import get_logger
 from datasets import Dataset
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from trl import SFTConfig
 from trl.trainer.utils import create_model_from_path
 
-from .behavior import behavior_logps
-from .config import TOPRConfig
 from .data import (
     BEHAVIOR_LOGPS,
     COMPLETION,
@@ -39,13 +36,16 @@ from .generation import (
     TransformersEngine,
     generation_engine,
     prompt_ids,
+    text_tokenizer,
 )
-from .precision import training_autocast
+from .logprobs import behavior_logps, completion_row, logps_settings
 
 
 logger = get_logger(__name__)
 
 SAMPLER_LOGPS = "sampler_logps"
+# `max_length` of a default training configuration: what prompts are checked against when no `args` is given
+DEFAULT_MAX_LENGTH = SFTConfig.__dataclass_fields__["max_length"].default
 REWARD_COLUMNS_PREFIX = "rewards/"
 RewardFuncs = Callable | list[Callable] | dict[str, Callable]
 
@@ -112,8 +112,10 @@ def reward_functions(
         raise ValueError("No reward function was given: sampling needs at least one to score the completions.")
     for name, func in named.items():
         if not callable(func):
-            raise TypeError(f"Reward function {name!r} is a {type(func).__name__}, not a callable with TRL GRPO's "
-                            "signature `fn(prompts, completions, **columns)`.")  # fmt: skip
+            raise TypeError(
+                f"Reward function {name!r} is a {type(func).__name__}, not a callable with TRL GRPO's "
+                "signature `fn(prompts, completions, **columns)`."
+            )
     weights = [1.0] * len(named) if reward_weights is None else list(reward_weights)
     if len(weights) != len(named):
         raise ValueError(f"{len(weights)} reward weights for {len(named)} reward functions.")
@@ -185,7 +187,9 @@ def score_completions(
     return rewards, per_func
 
 
-def decode_completions(processing_class: PreTrainedTokenizerBase, prompts: list, completion_ids: list[list[int]]) -> list:
+def decode_completions(
+    processing_class: PreTrainedTokenizerBase, prompts: list, completion_ids: list[list[int]]
+) -> list:
     """
     The completions' text, as messages for conversational prompts.
 
@@ -200,7 +204,7 @@ def decode_completions(processing_class: PreTrainedTokenizerBase, prompts: list,
     Returns:
         `list`: text, or `[{"role": "assistant", "content": text}]` for a conversational prompt.
     """
-    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    tokenizer = text_tokenizer(processing_class)
     per_prompt = len(completion_ids) // max(len(prompts), 1)
     completions = []
     for index, ids in enumerate(completion_ids):
@@ -211,51 +215,34 @@ def decode_completions(processing_class: PreTrainedTokenizerBase, prompts: list,
 
 
 def generate_completions(
-    model: PreTrainedModel,
+    model: PreTrainedModel | None,
     processing_class: PreTrainedTokenizerBase,
     prompts: list,
+    sampling: SamplingSettings | None = None,
     *,
-    num_samples: int = 1,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    max_new_tokens: int = 256,
-    batch_size: int = 16,
-    seed: int | None = None,
     engine: GenerationEngine | None = None,
     progress: bool = True,
     bf16: bool | None = None,
 ) -> tuple[list, list[list[int]], float]:
     """
-    Generate `num_samples` completions per prompt, with `model.generate` (batched, left padding) or another engine.
+    Generate `sampling.num_samples` completions per prompt, with `model.generate` (batched, left padding) or another
+    engine.
 
     Prompts are tokenized as [`TOPRTrainer`] tokenizes them (the chat template with a generation prompt for messages),
-    so the model samples in the context it is trained in. `temperature=0` decodes greedily. Under several processes
-    (`accelerate launch`), each generates a share of the prompts with its copy of the model and every process gets all
-    the completions, in prompt order. With transformers, the key/values of each prompt are computed once and shared by
-    its `num_samples` completions.
+    so the model samples in the context it is trained in. Under several processes (`accelerate launch`), each
+    generates a share of the prompts with its copy of the model and every process gets all the completions, in prompt
+    order. With transformers, the key/values of each prompt are computed once and shared by its samples.
 
     Args:
-        model ([`~transformers.PreTrainedModel`]):
-            Causal LM.
+        model ([`~transformers.PreTrainedModel`], *optional*):
+            Causal LM (`None` with an `engine`).
         processing_class ([`~transformers.PreTrainedTokenizerBase`]):
             Its tokenizer.
         prompts (`list`):
             Prompts, text or lists of messages.
-        num_samples (`int`, *optional*, defaults to `1`):
-            Completions per prompt.
-        temperature (`float`, *optional*, defaults to `1.0`):
-            Sampling temperature; 0 for greedy decoding.
-        top_p (`float`, *optional*, defaults to `1.0`):
-            Nucleus sampling threshold (1 disables it).
-        top_k (`int`, *optional*, defaults to `0`):
-            Top-k sampling (0 disables it; transformers' own default is 50).
-        max_new_tokens (`int`, *optional*, defaults to `256`):
-            Maximum completion length.
-        batch_size (`int`, *optional*, defaults to `16`):
-            Prompts per `generate` call (each yields `num_samples` sequences); vLLM gets every prompt at once.
-        seed (`int`, *optional*):
-            Seed of the sampling (see [`~trl_topr.generation.SamplingSettings`]).
+        sampling ([`~trl_topr.generation.SamplingSettings`], *optional*):
+            How to sample (`temperature=0` decodes greedily). Defaults to `SamplingSettings()`: one completion per
+            prompt at temperature 1.
         engine ([`~trl_topr.generation.GenerationEngine`], *optional*):
             Generate with this engine (e.g. vLLM, from [`~trl_topr.generation.generation_engine`]) instead of
             `model.generate`. It must hold the same weights as `model`.
@@ -270,11 +257,9 @@ def generate_completions(
         for conversational prompts), their token ids up to and including the first end-of-sequence token, and the
         generation throughput in tokens/s.
     """
-    settings = SamplingSettings(num_samples=num_samples, temperature=temperature, top_p=top_p, top_k=top_k,
-                                max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed)  # fmt: skip
     engine = engine or TransformersEngine(model, processing_class, bf16=bf16)
     prompts = list(prompts)
-    out = engine.generate([prompt_ids(processing_class, p) for p in prompts], settings, progress=progress)
+    out = engine.generate([prompt_ids(processing_class, p) for p in prompts], sampling or SamplingSettings(), progress)
     return decode_completions(processing_class, prompts, out.completion_ids), out.completion_ids, out.tokens_per_s
 
 
@@ -320,14 +305,8 @@ def sample_completions(
     *,
     processing_class: PreTrainedTokenizerBase | None = None,
     reward_weights: list[float] | None = None,
-    num_samples: int = 4,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    max_new_tokens: int = 256,
-    seed: int = 0,
-    batch_size: int = 16,
-    args: TOPRConfig | None = None,
+    sampling: SamplingSettings | None = None,
+    args=None,
     engine: GenerationEngine | None = None,
     progress: bool = True,
 ) -> Dataset:
@@ -348,24 +327,16 @@ def sample_completions(
             Tokenizer; loaded from the model's name if `None`.
         reward_weights (`list[float]`, *optional*):
             Weights of the functions in the combined `reward` column (default 1 each).
-        num_samples (`int`, *optional*, defaults to `4`):
-            Completions per prompt (the paper: 16 for GSM8K).
-        temperature (`float`, *optional*, defaults to `1.0`):
-            Sampling temperature (the paper: 1).
-        top_p (`float`, *optional*, defaults to `1.0`):
-            Nucleus sampling threshold.
-        top_k (`int`, *optional*, defaults to `0`):
-            Top-k sampling, 0 to disable (the paper: 500).
-        max_new_tokens (`int`, *optional*, defaults to `256`):
-            Maximum completion length (the paper: 512).
-        seed (`int`, *optional*, defaults to `0`):
-            Seed of the sampling.
-        batch_size (`int`, *optional*, defaults to `16`):
-            Prompts per generation batch, and batch size of the behavior log-prob computation.
+        sampling ([`~trl_topr.generation.SamplingSettings`], *optional*):
+            How to sample: completions per prompt, temperature, top-p, top-k, length, batch size (also that of the
+            behavior log-prob computation) and seed. Defaults to `SamplingSettings(num_samples=4, seed=0)`; the
+            paper's GSM8K runs used `SamplingSettings(num_samples=16, top_k=500, max_new_tokens=512)`.
         args ([`TOPRConfig`], *optional*):
-            The configuration the dataset will be trained with: its `max_length`, mixed precision and
-            `model_init_kwargs` set how the behavior log-probs are computed, its `use_vllm` the engine. Defaults to a
-            default [`TOPRConfig`]. The returned columns always have the canonical names.
+            The configuration the dataset will be trained with: its `max_length`, mixed precision, `padding_free` and
+            `model_init_kwargs` set how the behavior log-probs are computed, its generation options
+            (`use_vllm`, ...) the engine, its `behavior_logps_source` where mu comes from. Defaults to training's
+            defaults (transformers, the precision the hardware computes fastest). The returned columns always have
+            the canonical names.
         engine ([`~trl_topr.generation.GenerationEngine`], *optional*):
             Generate with this engine, holding the same weights as `model`. Without it, the engine `args` asks for
             is built for this call ([`~trl_topr.generation.generation_engine`]) and closed after generating. The
@@ -386,94 +357,60 @@ def sample_completions(
     Raises:
         [`TOPRDataError`]:
             Before anything is generated, when a prompt leaves no room for a completion within `args.max_length`.
+
+    Example:
+    ```python
+    >>> from trl_topr import sample_completions
+    >>> from trl_topr.generation import SamplingSettings
+    >>> from trl_topr.rewards import gsm8k_reward
+
+    >>> samples = sample_completions(  # doctest: +SKIP
+    ...     "HuggingFaceTB/SmolLM2-135M-Instruct", prompts, gsm8k_reward, sampling=SamplingSettings(num_samples=8)
+    ... )
+    ```
     """
-    settings = SamplingSettings(num_samples=num_samples, temperature=temperature, top_p=top_p, top_k=top_k,
-                                max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed)  # fmt: skip
-    with tempfile.TemporaryDirectory() as scratch:
-        if args is None:
-            args = TOPRConfig(output_dir=scratch, use_cpu=not torch.cuda.is_available(), report_to="none")
-        if isinstance(model, str):
-            model = create_model_from_path(model, **(args.model_init_kwargs or {}))
-        processing_class = processing_class or AutoTokenizer.from_pretrained(model.config._name_or_path)
-        return sample_with_engine(engine, model, processing_class, dataset, reward_funcs, settings, args,
-                                  reward_weights=reward_weights, progress=progress)  # fmt: skip
-
-
-def sample_with_engine(
-    engine: GenerationEngine | None,
-    model: PreTrainedModel,
-    processing_class: PreTrainedTokenizerBase,
-    dataset: Dataset,
-    reward_funcs: RewardFuncs,
-    settings: SamplingSettings,
-    args: TOPRConfig,
-    *,
-    reward_weights: list[float] | None = None,
-    progress: bool = True,
-) -> Dataset:
-    """
-    [`sample_completions`] with its settings in one object and its model loaded: generate with `engine` (or, when
-    `None`, one built from `args` for this call and closed after), score the rewards, and compute the behavior
-    log-probs with `model` as [`TOPRTrainer`] will compute log pi (or take the engine's, with
-    `behavior_logps_source="sampler"`).
-
-    Args:
-        engine ([`~trl_topr.generation.GenerationEngine`], *optional*):
-            The engine, holding `model`'s weights.
-        model ([`~transformers.PreTrainedModel`]):
-            The sampling policy.
-        processing_class ([`~transformers.PreTrainedTokenizerBase`]):
-            Its tokenizer.
-        dataset ([`~datasets.Dataset`]):
-            The prompts (see [`sample_completions`]).
-        reward_funcs (`Callable`, `list[Callable]` or `dict[str, Callable]`):
-            The reward functions.
-        settings ([`~trl_topr.generation.SamplingSettings`]):
-            How to sample.
-        args ([`TOPRConfig`]):
-            The training configuration (see [`sample_completions`]).
-        reward_weights (`list[float]`, *optional*):
-            Weights of the reward functions.
-        progress (`bool`, *optional*, defaults to `True`):
-            Show a progress bar.
-
-    Returns:
-        [`~datasets.Dataset`]: as [`sample_completions`].
-    """
+    sampling = sampling or SamplingSettings(num_samples=4, seed=0)
     check_prompts(dataset)
     reward_functions(reward_funcs, reward_weights)  # before anything is generated
+    if isinstance(model, str):
+        model = create_model_from_path(model, **(getattr(args, "model_init_kwargs", None) or {}))
+    processing_class = processing_class or AutoTokenizer.from_pretrained(model.config._name_or_path)
     prompts = list(dataset[PROMPT])
-    all_prompt_ids = checked_prompt_ids(processing_class, prompts, args.max_length)
+    max_length = args.max_length if args is not None else DEFAULT_MAX_LENGTH
+    all_prompt_ids = checked_prompt_ids(processing_class, prompts, max_length)
     engine_of_this_call = engine is None
     engine = engine or generation_engine(model, processing_class, args)
     try:
-        out = engine.generate(all_prompt_ids, settings, progress=progress)
+        out = engine.generate(all_prompt_ids, sampling, progress=progress)
     finally:
         if engine_of_this_call:
             engine.close()  # a vLLM engine's memory back before the behavior forward
     logger.info(f"Sampled {len(out.completion_ids)} completions at {out.tokens_per_s:.1f} tokens/s.")
-    rows = [i for i in range(len(dataset)) for _ in range(settings.num_samples)]
-    samples = _scored_samples(dataset.select(rows), decode_completions(processing_class, prompts, out.completion_ids),
-                              out.completion_ids, [all_prompt_ids[row] for row in rows], reward_funcs, reward_weights)
+    rows = [i for i in range(len(dataset)) for _ in range(sampling.num_samples)]
+    samples = _scored_samples(
+        dataset.select(rows),
+        decode_completions(processing_class, prompts, out.completion_ids),
+        out.completion_ids,
+        [all_prompt_ids[row] for row in rows],
+        reward_funcs,
+        reward_weights,
+    )
     if out.logprobs is not None:
         samples = samples.add_column(SAMPLER_LOGPS, out.logprobs)
-    if args.behavior_logps_source == "sampler":
+    if getattr(args, "behavior_logps_source", "trainer") == "sampler":
         if out.logprobs is None or any(v is None for row in out.logprobs for v in row):
             raise ValueError("`behavior_logps_source='sampler'` needs vLLM's log-prob of every sampled token.")
         return samples.add_column(BEHAVIOR_LOGPS, out.logprobs)
-    tokenizer = getattr(processing_class, "tokenizer", processing_class)
-    tokenized = [{"input_ids": p + c, "labels": [-100] * len(p) + c}
-                 for p, c in zip(samples[PROMPT_IDS], out.completion_ids, strict=True)]  # fmt: skip
-    behavior = behavior_logps(
-        model, tokenized, pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else
-        tokenizer.eos_token_id, batch_size=settings.batch_size, autocast=training_autocast(args, model.device),
-        padding_free=args.padding_free,  # as the trainer of these samples will compute log pi
-    )  # fmt: skip
-    samples = samples.add_column(BEHAVIOR_LOGPS, behavior)
+    rows = [completion_row(p, c) for p, c in zip(samples[PROMPT_IDS], out.completion_ids, strict=True)]
+    # as the trainer of these samples will compute log pi
+    settings = logps_settings(args, processing_class, model.device, batch_size=sampling.batch_size)
+    samples = samples.add_column(BEHAVIOR_LOGPS, behavior_logps(model, rows, settings))
     if out.logprobs is not None:
         mismatch = behavior_logps_mismatch(samples)
-        logger.info(f"Behavior log-probs, sampler against trainer, per sequence: mean |difference| "
-                    f"{mismatch['behavior_logps_mismatch_mean']:.2e}, max {mismatch['behavior_logps_mismatch_max']:.2e}")
+        logger.info(
+            f"Behavior log-probs, sampler against trainer, per sequence: mean |difference| "
+            f"{mismatch['behavior_logps_mismatch_mean']:.2e}, max {mismatch['behavior_logps_mismatch_max']:.2e}"
+        )
     return samples
 
 
@@ -481,8 +418,12 @@ def _scored_samples(samples, completions, completion_ids, row_prompt_ids, reward
     # One row per completion: the prompt's columns, the completion, its ids, its rewards (combined and per function).
     # Sampling's own columns in the prompts (a sampled dataset sampled again) are replaced, and not passed to the
     # reward functions; the prompts' other columns stay, whatever the functions are called.
-    replaced = [c for c in samples.column_names if c in (PROMPT, COMPLETION, REWARD, BEHAVIOR_LOGPS, PROMPT_IDS,
-                COMPLETION_IDS, SAMPLER_LOGPS) or c.startswith(REWARD_COLUMNS_PREFIX)]  # fmt: skip
+    replaced = [
+        c
+        for c in samples.column_names
+        if c in (PROMPT, COMPLETION, REWARD, BEHAVIOR_LOGPS, PROMPT_IDS, COMPLETION_IDS, SAMPLER_LOGPS)
+        or c.startswith(REWARD_COLUMNS_PREFIX)
+    ]
     others = {c: list(samples[c]) for c in samples.column_names if c not in replaced}
     rewards, per_func = score_completions(
         list(samples[PROMPT]), completions, reward_funcs, reward_weights, completion_ids, **others
@@ -517,5 +458,7 @@ def behavior_logps_mismatch(samples: Dataset) -> dict[str, float]:
     for sampler, trainer in zip(samples[SAMPLER_LOGPS], samples[BEHAVIOR_LOGPS], strict=True):
         length = min(len(sampler), len(trainer))
         differences.append(abs(math.fsum(sampler[:length]) - math.fsum(trainer[:length])))
-    return {"behavior_logps_mismatch_mean": sum(differences) / max(len(differences), 1),
-            "behavior_logps_mismatch_max": max(differences, default=0.0)}  # fmt: skip
+    return {
+        "behavior_logps_mismatch_mean": sum(differences) / max(len(differences), 1),
+        "behavior_logps_mismatch_max": max(differences, default=0.0),
+    }

@@ -16,9 +16,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import SFTTrainer
 from trl.trainer.utils import get_config_model_id
 
-from .behavior import behavior_logps, completion_logps, completion_rows
-from .composition import baseline_for_positive_fraction
-from .config import CHECKPOINTING, TOPRConfig
+from .baseline import baseline_for_positive_fraction
+from .config import TOPRConfig
 from .data import (
     BEHAVIOR_LOGPS,
     COMPLETION_IDS,
@@ -30,8 +29,16 @@ from .data import (
     validate_and_standardize,
 )
 from .distributed import weights_fingerprint
+from .logprobs import (
+    LogpsSettings,
+    behavior_logps,
+    check_sequences_kept_apart,
+    completion_logps,
+    completion_row,
+    completion_rows,
+    logps_settings,
+)
 from .loss import combine_metrics, topr_loss
-from .padding_free import check_sequences_kept_apart
 
 
 logger = get_logger(__name__)
@@ -84,12 +91,36 @@ def record_metrics(accelerator, store: dict[str, list[float]], metrics: dict[str
         metrics (`dict[str, torch.Tensor]`):
             Scalar metrics of this process's micro-batch.
     """
-    # One gather for all the metrics. (Not `gather_for_metrics`, which trims what it takes for duplicated samples at the
-    # end of an epoch.)
+    # One gather for all the metrics. (Not `gather_for_metrics`, which trims what it takes for duplicated samples at
+    # the end of an epoch.)
     names = list(metrics)
     gathered = accelerator.gather(torch.stack([metrics[n].float() for n in names])[None])
     for name, column in zip(names, gathered.view(-1, len(names)).T.cpu(), strict=True):
         store[name].extend(column.tolist())
+
+
+def with_logged_metrics(logs: dict[str, float], store: dict[str, dict[str, list[float]]], training: bool) -> dict:
+    """
+    `logs` with TOPR's metrics of the logging interval added, combined exactly ([`~trl_topr.loss.combine_metrics`]:
+    weighted by their counts, however the batches were split across processes and steps), `eval_`-prefixed in
+    evaluation; the interval's store is emptied. What both trainers' `log` do.
+
+    Args:
+        logs (`dict[str, float]`):
+            The trainer's logs, updated in place.
+        store (`dict[str, dict[str, list[float]]]`):
+            The values recorded by [`record_metrics`], by mode (`"train"`, `"eval"`).
+        training (`bool`):
+            Whether the model is training (else evaluating).
+
+    Returns:
+        `dict[str, float]`: `logs`.
+    """
+    mode = "train" if training else "eval"
+    prefix = "eval_" if mode == "eval" else ""
+    logs.update({prefix + name: value for name, value in combine_metrics(store[mode]).items()})
+    store[mode].clear()
+    return logs
 
 
 class TOPRTrainer(SFTTrainer):
@@ -139,8 +170,9 @@ class TOPRTrainer(SFTTrainer):
             Quantization used when loading the model from an id or path; with `peft_config`, QLoRA.
         callbacks (list of [`~transformers.TrainerCallback`], *optional*):
             Callbacks added to the default ones.
-        optimizers (`tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None]`, *optional*, defaults to `(None, None)`):
-            Optimizer and scheduler; by default AdamW and the scheduler set by `args`.
+        optimizers (`tuple`, *optional*, defaults to `(None, None)`):
+            Optimizer and scheduler (`torch.optim.Optimizer`, `torch.optim.lr_scheduler.LambdaLR`, each optional); by
+            default AdamW and the scheduler set by `args`.
     """
 
     _tag_names = ["trl", "topr"]
@@ -152,7 +184,9 @@ class TOPRTrainer(SFTTrainer):
         "citation": textwrap.dedent("""\
             @article{leroux2025topr,
                 title        = {{Tapered Off-Policy REINFORCE: Stable and efficient reinforcement learning for LLMs}},
-                author       = {Nicolas Le Roux and Marc G. Bellemare and Jonathan Lebensold and Arnaud Bergeron and Joshua Greaves and Alex Fr{\\'e}chette and Carolyne Pelletier and Eric Thibodeau-Laufer and S{\\'a}ndor Toth and Sam Work},
+                author       = {Nicolas Le Roux and Marc G. Bellemare and Jonathan Lebensold and Arnaud Bergeron and
+                                Joshua Greaves and Alex Fr{\\'e}chette and Carolyne Pelletier and
+                                Eric Thibodeau-Laufer and S{\\'a}ndor Toth and Sam Work},
                 year         = 2025,
                 eprint       = {arXiv:2503.14286},
             }"""),
@@ -215,9 +249,10 @@ class TOPRTrainer(SFTTrainer):
                 quantization_config=quantization_config,
             )
         self.data_collator = DataCollatorForTOPR(
-            pad_token_id=self._tokenizer.pad_token_id, padding_free=self.args.padding_free,
+            pad_token_id=self._tokenizer.pad_token_id,
+            padding_free=self.args.padding_free,
             pad_to_multiple_of=self.args.pad_to_multiple_of,
-        )  # fmt: skip
+        )
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
         if self.args.padding_free:  # before any forward of flattened rows: the precompute's, training's
             check_sequences_kept_apart(self.model, self._tokenizer.pad_token_id)
@@ -255,15 +290,14 @@ class TOPRTrainer(SFTTrainer):
                     )
 
         def concatenate(example):
-            prompt_ids, completion_ids = example[PROMPT_IDS], example[COMPLETION_IDS]
-            return {"input_ids": prompt_ids + completion_ids, "labels": [-100] * len(prompt_ids) + completion_ids}
+            return completion_row(example[PROMPT_IDS], example[COMPLETION_IDS])
 
         return dataset.map(concatenate, desc=f"Taking the sampled token ids of the {dataset_name} dataset")
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
         """
-        Train, as [`~transformers.Trainer.train`]. With `resume_from_checkpoint=True`, resume from the latest *complete*
-        checkpoint of `args.output_dir`: a checkpoint folder left half-written by a killed run is skipped.
+        Train, as [`~transformers.Trainer.train`]. With `resume_from_checkpoint=True`, resume from the latest
+        *complete* checkpoint of `args.output_dir`: a checkpoint folder left half-written by a killed run is skipped.
 
         Args:
             resume_from_checkpoint (`str` or `bool`, *optional*):
@@ -280,8 +314,10 @@ class TOPRTrainer(SFTTrainer):
 
     def _latest_complete_checkpoint(self) -> str:
         # `trainer_state.json` is the last file a checkpoint writes: a folder without a matching one is partial.
-        folders = sorted(Path(self.args.output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*"),
-                         key=lambda p: int(p.name.rsplit("-", 1)[1]) if p.name.rsplit("-", 1)[1].isdigit() else -1)
+        folders = sorted(
+            Path(self.args.output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*"),
+            key=lambda p: int(p.name.rsplit("-", 1)[1]) if p.name.rsplit("-", 1)[1].isdigit() else -1,
+        )
         for folder in reversed(folders):
             try:
                 state = json.loads((folder / "trainer_state.json").read_text())
@@ -318,11 +354,36 @@ class TOPRTrainer(SFTTrainer):
                 datasets[name] = self.precompute_behavior_logps(dataset, name)
         if eval_dataset is not None and not isinstance(eval_dataset, (dict, str)):
             eval_dataset = datasets[metric_key_prefix]
-        return super().evaluate(eval_dataset=eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        return super().evaluate(
+            eval_dataset=eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix
+        )
 
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:
             self._signature_columns = ["input_ids", "labels", REWARD, BEHAVIOR_LOGPS]
+
+    def logps_settings(self, batch_size: int | None = None) -> LogpsSettings:
+        """
+        How this trainer computes log pi, for [`~trl_topr.logprobs.behavior_logps`] to compute the same outside
+        the loss: its padding id, precision (`accelerator.autocast()`), layout, training engine and activation
+        checkpointing arguments (see [`~trl_topr.logprobs.logps_settings`]), for one call.
+
+        Args:
+            batch_size (`int`, *optional*):
+                Rows per forward; defaults to `precompute_behavior_batch_size`, else `per_device_eval_batch_size`.
+
+        Returns:
+            [`~trl_topr.logprobs.LogpsSettings`]: the settings.
+        """
+        # the mixed precision training runs in, also before the model is wrapped by `accelerator.prepare`
+        return logps_settings(
+            self.args,
+            self.processing_class,
+            self.model.device,
+            batch_size=batch_size,
+            autocast=self.accelerator.autocast(),
+            training_engine=getattr(self, "deepspeed", None),
+        )
 
     @torch.no_grad()
     def precompute_behavior_logps(self, dataset: Dataset, name: str) -> Dataset:
@@ -361,14 +422,8 @@ class TOPRTrainer(SFTTrainer):
             "log-probs with the model as it is now (during construction, the initial policy: mu = the model as "
             "passed, before any update). Give them in the dataset when the completions were sampled by another model."
         )
-        values = behavior_logps(
-            self.model, dataset.select_columns(["input_ids", "labels"]).to_list(),
-            pad_token_id=self._tokenizer.pad_token_id,
-            batch_size=self.args.precompute_behavior_batch_size or self.args.per_device_eval_batch_size,
-            # the mixed precision training will run in: the model is not wrapped by `accelerator.prepare` yet
-            autocast=self.accelerator.autocast(), training_engine=getattr(self, "deepspeed", None),
-            checkpointing_kwargs=getattr(self.args, f"{CHECKPOINTING}_kwargs"), padding_free=self.args.padding_free,
-        )  # fmt: skip
+        rows = dataset.select_columns(["input_ids", "labels"]).to_list()
+        values = behavior_logps(self.model, rows, self.logps_settings())
         if cache_file is None:
             return dataset.add_column(BEHAVIOR_LOGPS, values)
         if self.accelerator.is_main_process:
@@ -406,7 +461,9 @@ class TOPRTrainer(SFTTrainer):
                     loss = loss * self.accelerator.num_processes
             else:  # a mean over this micro-batch's sequences (or tokens): average the micro-batches
                 # (set by `Trainer.train`; a direct call outside it gets the configured value)
-                loss = loss / getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
+                loss = loss / getattr(
+                    self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps
+                )
         entropy, _ = completion_rows(outputs.entropy[:, 1 - inputs["input_ids"].size(1) :].detach(), inputs)
         metrics["entropy"] = torch.where(completion_mask, entropy, 0.0).sum() / completion_mask.sum().clamp(min=1)
         record_metrics(self.accelerator, self._metrics[mode], metrics)
@@ -420,12 +477,8 @@ class TOPRTrainer(SFTTrainer):
         return loss.detach(), None, None
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        mode = "train" if self.model.training else "eval"
-        prefix = "eval_" if mode == "eval" else ""
-        # the exact values over the logging interval, however its batches were split across processes and steps
-        logs.update({prefix + name: value for name, value in combine_metrics(self._metrics[mode]).items()})
-        self._metrics[mode].clear()
-        super(SFTTrainer, self).log(logs, start_time)
+        # TOPR's metrics in place of SFTTrainer's own
+        super(SFTTrainer, self).log(with_logged_metrics(logs, self._metrics, self.model.training), start_time)
 
     def create_model_card(
         self, model_name: str | None = None, dataset_name: str | None = None, tags: str | list[str] | None = None

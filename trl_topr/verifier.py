@@ -87,8 +87,12 @@ def verifier_prompts(
             if not isinstance(text, str) or not text.strip():
                 raise data_error("verifier_prompts", column, i, f"expected a non-empty string, got {text!r}.")
         if not isinstance(correct, (bool, Real)) or correct != correct:
-            raise data_error("verifier_prompts", correct_column, i,
-                        f"expected a bool, or a number where > 0 means correct, got {correct!r}.")
+            raise data_error(
+                "verifier_prompts",
+                correct_column,
+                i,
+                f"expected a bool, or a number where > 0 means correct, got {correct!r}.",
+            )
         body = f"Problem: {question.strip()}\n\nProposed solution: {solution.strip()}"
         if conversational:
             prompt = [{"role": "system", "content": instruction}, {"role": "user", "content": body}]

@@ -1,28 +1,37 @@
 """
 The generation layer: every engine that writes completions behind one interface ([`GenerationEngine`]: generate
-under [`SamplingSettings`], take weights from a saved folder, close), and the factory that builds the one a
-[`~trl_topr.TOPRConfig`] asks for. Sampling, evaluation, the loop and the recipes reach engines only through it.
+under [`SamplingSettings`], take weights from a saved folder, close), the engines by name ([`ENGINES`]), their
+options ([`~trl_topr.generation.arguments.VLLMArguments`], inherited by [`~trl_topr.TOPRConfig`]) and the factory
+that builds the one a configuration asks for ([`generation_engine`]). Sampling, evaluation, the loop and the recipes
+reach engines only through it.
 
 - [`TransformersEngine`]: `model.generate`, with each prompt's key/values shared by its samples.
 - [`VLLMEngine`]: vLLM colocated or as a server (`use_vllm`, TRL's `vllm_*` fields).
 
-A new engine is a subclass of [`GenerationEngine`] in a module of this package, built by [`generation_engine`].
+A new engine is one module of this package with a subclass of [`GenerationEngine`], and one entry in [`ENGINES`]
+(and, if a configuration is to select it, a branch in [`~trl_topr.generation.arguments.engine_name`]).
 """
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .engine import GenerationEngine, Generations, end_of_sequence_ids, prompt_ids
+from .arguments import VLLMArguments, engine_name
+from .engine import GenerationEngine, Generations, end_of_sequence_ids, padding_id, prompt_ids, text_tokenizer
 from .settings import SamplingSettings
 from .transformers_engine import TransformersEngine, load_whole_model
 from .vllm_engine import VLLMEngine
 
 
+# The engines by name: what `engine_name` reads from a configuration, and the class that builds it (`from_config`).
+ENGINES: dict[str, type[GenerationEngine]] = {"transformers": TransformersEngine, "vllm": VLLMEngine}
+
+
 def generation_engine(
-    model: "str | PreTrainedModel", processing_class: PreTrainedTokenizerBase, args
+    model: "str | PreTrainedModel", processing_class: PreTrainedTokenizerBase, args=None
 ) -> GenerationEngine:
     """
-    The generation engine that `args` asks for: vLLM with `use_vllm` (`vllm_mode` colocate or server), else
-    transformers, generating in the training precision (`args.bf16`).
+    The generation engine that `args` asks for ([`~trl_topr.generation.arguments.engine_name`] picks its name in
+    [`ENGINES`]): vLLM with `use_vllm` (`vllm_mode` colocate or server), else transformers, generating in the
+    training precision (`args.bf16`).
 
     Args:
         model (`str` or [`~transformers.PreTrainedModel`]):
@@ -30,8 +39,8 @@ def generation_engine(
             `args.model_init_kwargs`).
         processing_class ([`~transformers.PreTrainedTokenizerBase`]):
             The tokenizer.
-        args ([`~trl_topr.TOPRConfig`]):
-            The configuration.
+        args ([`~trl_topr.TOPRConfig`], *optional*):
+            The configuration; `None` for transformers with its defaults.
 
     Returns:
         [`GenerationEngine`]: a [`VLLMEngine`] or a [`TransformersEngine`]; close it (or use it in a `with` block)
@@ -49,19 +58,22 @@ def generation_engine(
     ```
     """
     if isinstance(model, str):
-        model = load_whole_model(model, args.model_init_kwargs)
-    if args.use_vllm:
-        return VLLMEngine.from_config(model, processing_class, args)
-    return TransformersEngine(model, processing_class, bf16=args.bf16, model_init_kwargs=args.model_init_kwargs)
+        model = load_whole_model(model, getattr(args, "model_init_kwargs", None))
+    return ENGINES[engine_name(args)].from_config(model, processing_class, args)
 
 
 __all__ = [
+    "ENGINES",
     "GenerationEngine",
     "Generations",
     "SamplingSettings",
     "TransformersEngine",
+    "VLLMArguments",
     "VLLMEngine",
     "end_of_sequence_ids",
+    "engine_name",
     "generation_engine",
+    "padding_id",
     "prompt_ids",
+    "text_tokenizer",
 ]

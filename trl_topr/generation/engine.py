@@ -34,9 +34,29 @@ def prompt_ids(processing_class: PreTrainedTokenizerBase, prompt) -> list[int]:
     return _tokenize(processing_class, prompt)["input_ids"]
 
 
+def text_tokenizer(processing_class):
+    """
+    The text tokenizer of a processing class: a processor's `tokenizer`, or the tokenizer itself.
+
+    Args:
+        processing_class ([`~transformers.PreTrainedTokenizerBase`] or [`~transformers.ProcessorMixin`]):
+            A tokenizer, or a processor holding one.
+
+    Returns:
+        [`~transformers.PreTrainedTokenizerBase`]: the tokenizer.
+    """
+    return getattr(processing_class, "tokenizer", processing_class)
+
+
+def padding_id(processing_class) -> int:
+    """The padding id of a processing class's tokenizer ([`text_tokenizer`]): its pad token, else its EOS."""
+    tokenizer = text_tokenizer(processing_class)
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def end_of_sequence_ids(model, processing_class: PreTrainedTokenizerBase) -> set[int]:
     """The token ids that end a generation: the tokenizer's EOS and those of the model's generation config."""
-    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    tokenizer = text_tokenizer(processing_class)
     eos_ids = {tokenizer.eos_token_id}
     if model is not None and model.generation_config.eos_token_id is not None:
         configured = model.generation_config.eos_token_id
@@ -68,8 +88,9 @@ class GenerationEngine:
     A generation engine: completions of tokenized prompts under [`SamplingSettings`], weights taken from a saved
     folder, resources released by `close`. The engines: [`~trl_topr.generation.TransformersEngine`] (`model.generate`)
     and [`~trl_topr.generation.VLLMEngine`] (vLLM, colocated or a server); [`generation_engine`] builds the one a
-    [`~trl_topr.TOPRConfig`] asks for. A new engine subclasses this class and implements `_generate_share`,
-    `load_weights` and, if it holds resources, `close`.
+    [`~trl_topr.TOPRConfig`] asks for, by its name in [`~trl_topr.generation.ENGINES`]. A new engine subclasses this
+    class in a module of its own, implements `from_config`, `_generate_share`, `load_weights` and, if it holds
+    resources, `close`, and is added to `ENGINES`.
 
     Under several processes (`accelerate launch`), every process calls `generate` with all the prompts: each generates
     an equal share ([`~trl_topr.distributed.map_across_processes`]) and all get every completion, in prompt order. An
@@ -85,6 +106,24 @@ class GenerationEngine:
     def __init__(self, processing_class: PreTrainedTokenizerBase, eos_ids: set[int]):
         self.processing_class = processing_class
         self.eos_ids = set(eos_ids)
+
+    @classmethod
+    def from_config(cls, model, processing_class: PreTrainedTokenizerBase, args) -> "GenerationEngine":
+        """
+        The engine for `model`, set up as a configuration asks (what [`generation_engine`] calls).
+
+        Args:
+            model ([`~transformers.PreTrainedModel`]):
+                The model whose weights the engine generates with.
+            processing_class ([`~transformers.PreTrainedTokenizerBase`]):
+                The tokenizer.
+            args ([`~trl_topr.TOPRConfig`], *optional*):
+                The configuration (its generation options and precision); `None` for the engine's defaults.
+
+        Returns:
+            [`GenerationEngine`]: the engine.
+        """
+        raise NotImplementedError
 
     def generate(self, prompts: list[list[int]], settings: SamplingSettings, progress: bool = True) -> Generations:
         """
@@ -108,8 +147,10 @@ class GenerationEngine:
             ids, logprobs = self._generate_share(share, settings.replace(seed=seed), progress)
             copies = 1 if settings.is_greedy else settings.num_samples
             logprobs = logprobs if logprobs is not None else [None] * len(ids)
-            return [(ids[i * copies : (i + 1) * copies], logprobs[i * copies : (i + 1) * copies])
-                    for i in range(len(share))]  # fmt: skip
+            return [
+                (ids[i * copies : (i + 1) * copies], logprobs[i * copies : (i + 1) * copies])
+                for i in range(len(share))
+            ]
 
         per_prompt = map_across_processes(prompts, share_of)
         repeats = settings.num_samples if settings.is_greedy else 1  # a greedy completion stands for every sample

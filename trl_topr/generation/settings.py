@@ -51,14 +51,21 @@ class SamplingSettings:
     seed: int | None = None
 
     def __post_init__(self):
-        checks = {"num_samples": self.num_samples >= 1, "temperature": self.temperature >= 0,
-                  "top_p": 0 < self.top_p <= 1, "top_k": self.top_k >= 0, "max_new_tokens": self.max_new_tokens >= 1,
-                  "batch_size": self.batch_size >= 1}  # fmt: skip
+        checks = {
+            "num_samples": self.num_samples >= 1,
+            "temperature": self.temperature >= 0,
+            "top_p": 0 < self.top_p <= 1,
+            "top_k": self.top_k >= 0,
+            "max_new_tokens": self.max_new_tokens >= 1,
+            "batch_size": self.batch_size >= 1,
+        }
         wrong = [name for name, ok in checks.items() if not ok]
         if wrong:
-            raise ValueError(f"SamplingSettings: invalid {', '.join(f'{n}={getattr(self, n)!r}' for n in wrong)} "
-                             "(num_samples, max_new_tokens and batch_size >= 1; temperature >= 0; 0 < top_p <= 1; "
-                             "top_k >= 0, 0 disabling it).")  # fmt: skip
+            raise ValueError(
+                f"SamplingSettings: invalid {', '.join(f'{n}={getattr(self, n)!r}' for n in wrong)} "
+                "(num_samples, max_new_tokens and batch_size >= 1; temperature >= 0; 0 < top_p <= 1; "
+                "top_k >= 0, 0 disabling it)."
+            )
 
     @property
     def is_greedy(self) -> bool:

@@ -14,7 +14,7 @@ from trl.trainer.utils import create_model_from_path
 
 from ..distributed import full_weights, unsharded_loading
 from ..precision import autocast
-from .engine import GenerationEngine, end_of_sequence_ids
+from .engine import GenerationEngine, end_of_sequence_ids, text_tokenizer
 from .settings import SamplingSettings
 
 
@@ -30,8 +30,12 @@ def _prompt_cache_inputs(model: PreTrainedModel, inputs: dict[str, torch.Tensor]
         return expanded
     cache = DynamicCache(config=model.config)
     name = _cache_argument(model)
-    model(input_ids=inputs["input_ids"][:, :-1], attention_mask=inputs["attention_mask"][:, :-1],
-          **{name: cache}, use_cache=True)  # fmt: skip
+    model(
+        input_ids=inputs["input_ids"][:, :-1],
+        attention_mask=inputs["attention_mask"][:, :-1],
+        **{name: cache},
+        use_cache=True,
+    )
     cache.batch_repeat_interleave(copies)
     return {**expanded, name: cache}
 
@@ -69,11 +73,28 @@ class TransformersEngine(GenerationEngine):
             Keyword arguments of `from_pretrained` for a folder given to `load_weights` without its model.
     """
 
-    def __init__(self, model: PreTrainedModel, processing_class: PreTrainedTokenizerBase, *, bf16: bool | None = None,
-                 model_init_kwargs: dict | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        processing_class: PreTrainedTokenizerBase,
+        *,
+        bf16: bool | None = None,
+        model_init_kwargs: dict | None = None,
+    ):
         super().__init__(processing_class, end_of_sequence_ids(model, processing_class))
         self.model, self.training_engine, self.folder = model, None, model.name_or_path
         self.bf16, self.model_init_kwargs = bf16, dict(model_init_kwargs or {})
+
+    @classmethod
+    def from_config(cls, model: PreTrainedModel, processing_class: PreTrainedTokenizerBase, args=None):
+        """The engine for `model`, generating in `args.bf16` precision, loading folders with
+        `args.model_init_kwargs` (defaults for `args=None`). See [`GenerationEngine.from_config`]."""
+        return cls(
+            model,
+            processing_class,
+            bf16=getattr(args, "bf16", None),
+            model_init_kwargs=getattr(args, "model_init_kwargs", None),
+        )
 
     def load_weights(self, folder: str, model: PreTrainedModel | None = None, training_engine=None) -> None:
         """Generate with `model` (the weights of `folder` in memory) or, without it, the model loaded from `folder`,
@@ -91,7 +112,7 @@ class TransformersEngine(GenerationEngine):
 
     @torch.no_grad()
     def _generate_share(self, prompts, settings: SamplingSettings, progress):
-        model, tokenizer = self.model, getattr(self.processing_class, "tokenizer", self.processing_class)
+        model, tokenizer = self.model, text_tokenizer(self.processing_class)
         if model is None:
             raise RuntimeError("The engine's weights were released: call `load_weights` first.")
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -110,12 +131,14 @@ class TransformersEngine(GenerationEngine):
                     inputs = dict(inputs.to(model.device))
                     with autocast(model.device, self.bf16):
                         outputs = model.generate(
-                            **_prompt_cache_inputs(model, inputs, copies), do_sample=not settings.is_greedy,
+                            **_prompt_cache_inputs(model, inputs, copies),
+                            do_sample=not settings.is_greedy,
                             temperature=None if settings.is_greedy else settings.temperature,
                             top_p=None if settings.is_greedy else settings.top_p,
                             top_k=None if settings.is_greedy else settings.top_k,
-                            max_new_tokens=settings.max_new_tokens, pad_token_id=pad_id,
-                        )  # fmt: skip
+                            max_new_tokens=settings.max_new_tokens,
+                            pad_token_id=pad_id,
+                        )
                     sequences += outputs[:, inputs["input_ids"].size(1) :].tolist()
                     bar.update(len(batch))
                     bar.set_postfix(tokens_per_s=f"{sum(map(len, sequences)) / (time.perf_counter() - start):.0f}")

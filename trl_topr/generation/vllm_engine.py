@@ -25,6 +25,7 @@ from accelerate import PartialState
 from accelerate.logging import get_logger
 from trl.generation.vllm_generation import VLLMGeneration
 
+from .arguments import VLLMArguments
 from .engine import GenerationEngine, end_of_sequence_ids
 from .settings import SamplingSettings
 
@@ -145,15 +146,21 @@ class TOPRVLLMGeneration(VLLMGeneration):
         from vllm import LLM
 
         # As TRL: each training process holds an engine, within the processes' torch.distributed world
-        os.environ.update(RANK=str(self.accelerator.process_index), WORLD_SIZE=str(self.accelerator.num_processes),
-                          LOCAL_RANK=str(self.accelerator.local_process_index))  # fmt: skip
+        os.environ.update(
+            RANK=str(self.accelerator.process_index),
+            WORLD_SIZE=str(self.accelerator.num_processes),
+            LOCAL_RANK=str(self.accelerator.local_process_index),
+        )
         ensure_master_addr_port()
         engine_kwargs = {}
         if _on_cpu():  # whole prompts prefilled at once: seeded requests prefilled in chunks kill the CPU engine
             max_model_len = self.max_model_length or self.model.config.max_position_embeddings
-            engine_kwargs = dict(kv_cache_memory_bytes=CPU_KV_CACHE_BYTES, enable_chunked_prefill=False,
-                                 max_num_batched_tokens=max(max_model_len, 8192),
-                                 enforce_eager=self.enforce_eager is not False)  # fmt: skip
+            engine_kwargs = dict(
+                kv_cache_memory_bytes=CPU_KV_CACHE_BYTES,
+                enable_chunked_prefill=False,
+                max_num_batched_tokens=max(max_model_len, 8192),
+                enforce_eager=self.enforce_eager is not False,
+            )
         else:
             engine_kwargs = dict(gpu_memory_utilization=self.gpu_memory_utilization, max_num_batched_tokens=4096)
             if self.enforce_eager is not None:
@@ -204,8 +211,10 @@ class TOPRVLLMGeneration(VLLMGeneration):
             self._llm_weights_sleeping = False
         elif self.accelerator.is_main_process:
             client = self.vllm_client
-            response = client.session.post(f"{client.base_url}/collective_rpc",
-                                           json={"method": "topr_reload_weights", "kwargs": {"weights_path": folder}})  # fmt: skip
+            response = client.session.post(
+                f"{client.base_url}/collective_rpc",
+                json={"method": "topr_reload_weights", "kwargs": {"weights_path": folder}},
+            )
             if response.status_code != 200:
                 raise RuntimeError(
                     f"The vLLM server at {client.base_url} could not reload the weights of {folder} "
@@ -305,8 +314,8 @@ class VLLMEngine(GenerationEngine):
                 The model to start from (loaded from a folder or the Hub: its `name_or_path` is read).
             processing_class ([`~transformers.PreTrainedTokenizerBase`]):
                 The tokenizer.
-            args ([`~trl_topr.TOPRConfig`]):
-                The configuration.
+            args ([`~trl_topr.TOPRConfig`], *optional*):
+                The configuration; `None` for vLLM colocated with TRL's defaults, in the model's dtype.
 
         Returns:
             [`VLLMEngine`]
@@ -314,19 +323,32 @@ class VLLMEngine(GenerationEngine):
         try:
             import vllm  # noqa: F401
         except ImportError as error:
-            raise ImportError("`use_vllm=True` needs vLLM: `pip install trl-topr[vllm]` on GPU machines; on CPU see "
-                              "docs/sampling.md.") from error  # fmt: skip
+            raise ImportError(
+                "`use_vllm=True` needs vLLM: `pip install trl-topr[vllm]` on GPU machines; on CPU see "
+                "docs/sampling.md."
+            ) from error
+        args = VLLMArguments(use_vllm=True) if args is None else args
         logger.info(f"Starting vLLM ({args.vllm_mode}) for {model.name_or_path}", main_process_only=True)
         vllm_generation = TOPRVLLMGeneration(
-            model, PartialState(), processing_class, logprobs_mode="raw_logprobs", weight_transfer=False,
-            dtype="bfloat16" if args.bf16 else str(model.dtype).removeprefix("torch."), mode=args.vllm_mode,
-            server_base_url=args.vllm_server_base_url, server_host=args.vllm_server_host,
-            server_port=args.vllm_server_port, server_timeout=args.vllm_server_timeout,
-            tensor_parallel_size=args.vllm_tensor_parallel_size, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-            max_model_length=args.vllm_max_model_length, enable_sleep_mode=args.vllm_enable_sleep_mode,
-            model_impl=args.vllm_model_impl, trust_remote_code=args.trust_remote_code,
+            model,
+            PartialState(),
+            processing_class,
+            logprobs_mode="raw_logprobs",
+            weight_transfer=False,
+            dtype="bfloat16" if getattr(args, "bf16", None) else str(model.dtype).removeprefix("torch."),
+            mode=args.vllm_mode,
+            server_base_url=args.vllm_server_base_url,
+            server_host=args.vllm_server_host,
+            server_port=args.vllm_server_port,
+            server_timeout=args.vllm_server_timeout,
+            tensor_parallel_size=args.vllm_tensor_parallel_size,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            max_model_length=args.vllm_max_model_length,
+            enable_sleep_mode=args.vllm_enable_sleep_mode,
+            model_impl=args.vllm_model_impl,
+            trust_remote_code=getattr(args, "trust_remote_code", False),
             enforce_eager=args.vllm_enforce_eager,
-        )  # fmt: skip
+        )
         return cls(vllm_generation, end_of_sequence_ids(model, processing_class), folder=model.name_or_path)
 
     def load_weights(self, folder: str, model=None, training_engine=None) -> None:
@@ -339,8 +361,9 @@ class VLLMEngine(GenerationEngine):
 
     def _generate_share(self, prompts, settings: SamplingSettings, progress):
         vllm_generation = self.vllm_generation
-        per_prompt = [settings.vllm_kwargs(None if settings.seed is None else settings.seed + i)
-                      for i in range(len(prompts))]  # fmt: skip
+        per_prompt = [
+            settings.vllm_kwargs(None if settings.seed is None else settings.seed + i) for i in range(len(prompts))
+        ]
         if vllm_generation.mode == "colocate":
             from trl.generation.vllm_generation import extract_logprobs
             from vllm import SamplingParams
@@ -348,8 +371,9 @@ class VLLMEngine(GenerationEngine):
             with vllm_generation.awake():
                 outputs = vllm_generation.llm.generate(
                     [{"prompt_token_ids": ids} for ids in prompts],
-                    [SamplingParams(**kwargs, logprobs=0) for kwargs in per_prompt], use_tqdm=False,
-                )  # fmt: skip
+                    [SamplingParams(**kwargs, logprobs=0) for kwargs in per_prompt],
+                    use_tqdm=False,
+                )
             completion_ids = [list(sample.token_ids) for request in outputs for sample in request.outputs]
             logprobs, _ = extract_logprobs(outputs)
         else:  # one request per prompt, sent together: the server batches them
@@ -358,15 +382,22 @@ class VLLMEngine(GenerationEngine):
             def send(index):
                 kwargs = dict(per_prompt[index])
                 return client.generate(
-                    [prompts[index]], n=kwargs.pop("n"), temperature=kwargs.pop("temperature"),
-                    top_p=kwargs.pop("top_p"), top_k=0 if settings.is_greedy else settings.top_k, max_tokens=kwargs.pop("max_tokens"), logprobs=0,
+                    [prompts[index]],
+                    n=kwargs.pop("n"),
+                    temperature=kwargs.pop("temperature"),
+                    top_p=kwargs.pop("top_p"),
+                    top_k=0 if settings.is_greedy else settings.top_k,
+                    max_tokens=kwargs.pop("max_tokens"),
+                    logprobs=0,
                     generation_kwargs={"seed": kwargs["seed"]},
-                )  # fmt: skip
+                )
 
             with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, max(len(prompts), 1))) as pool:
                 replies = list(pool.map(send, range(len(prompts))))
             completion_ids = [ids for reply in replies for ids in reply["completion_ids"]]
-            logprobs = [seq for reply in replies for seq in (reply["logprobs"] or [None] * len(reply["completion_ids"]))]
+            logprobs = [
+                seq for reply in replies for seq in (reply["logprobs"] or [None] * len(reply["completion_ids"]))
+            ]
             logprobs = None if any(seq is None for seq in logprobs) else logprobs
         if logprobs is not None:
             logprobs = [[token[0] for token in sequence] for sequence in logprobs]

@@ -30,17 +30,23 @@ trl-topr eval \
     --correct_func my_rewards.is_correct --answer_func my_rewards.final_answer \
     --num_processes 8
 ```
+# With vLLM (`pip install trl-topr[vllm]`): an engine in each process, or a running server (docs/sampling.md)
+```bash
+trl-topr eval --dataset_name held_out.jsonl --use_vllm [--vllm_mode server --vllm_server_port 8000]
+```
 Without the launcher: `python -m trl_topr.scripts.eval ...`, or `accelerate launch -m trl_topr.scripts.eval ...`.
 """
 
 from dataclasses import dataclass, field
 
+from trl_topr.generation import VLLMArguments
 from trl_topr.scripts.utils import (
     GenerationArguments,
     import_function,
     load_prompts,
     model_init_kwargs,
     resolve_model,
+    sampling_config,
     show_messages,
 )
 
@@ -70,7 +76,9 @@ class EvalArguments:
     output_path: str | None = field(default=None, metadata={"help": "JSON file to write the metrics to."})
 
 
-def main(script_args: EvalArguments, generation_args: GenerationArguments) -> dict[str, float]:
+def main(
+    script_args: EvalArguments, generation_args: GenerationArguments, vllm_args: VLLMArguments | None = None
+) -> dict[str, float]:
     """
     Evaluate the model with [`~trl_topr.evaluate_policy`], print the metrics as JSON and write them to
     `script_args.output_path`.
@@ -80,12 +88,15 @@ def main(script_args: EvalArguments, generation_args: GenerationArguments) -> di
             Correctness and answer functions, output path.
         generation_args ([`~trl_topr.scripts.utils.GenerationArguments`]):
             Model, prompts and sampling settings.
+        vllm_args ([`~trl_topr.generation.arguments.VLLMArguments`], *optional*):
+            Generating with vLLM (TRL's `use_vllm`, `vllm_mode`... options), as `trl-topr sample` does.
 
     Returns:
         `dict[str, float]`: `pass@1_greedy`, `pass@1`, `maj@k` (k = `num_samples`), `invalid_rate` and
         `invalid_rate_greedy`.
     """
     import json
+    import tempfile
     from pathlib import Path
 
     from accelerate import PartialState
@@ -93,6 +104,7 @@ def main(script_args: EvalArguments, generation_args: GenerationArguments) -> di
     from trl.trainer.utils import create_model_from_path
 
     from trl_topr import evaluate_policy
+    from trl_topr.generation import generation_engine
 
     correct_func = import_function(script_args.correct_func)
     answer_func = import_function(script_args.answer_func)
@@ -105,12 +117,19 @@ def main(script_args: EvalArguments, generation_args: GenerationArguments) -> di
     tokenizer = AutoTokenizer.from_pretrained(
         model_path, revision=generation_args.model_revision, trust_remote_code=generation_args.trust_remote_code
     )
-    metrics = evaluate_policy(
-        model, tokenizer, prompts, correct_func, answer_func, num_samples=generation_args.num_samples,
-        temperature=generation_args.temperature, top_p=generation_args.top_p, top_k=generation_args.top_k,
-        max_new_tokens=generation_args.max_new_tokens, batch_size=generation_args.batch_size,
-        seed=generation_args.seed, progress=state.is_main_process,
-    )  # fmt: skip
+    with tempfile.TemporaryDirectory() as scratch:
+        args = sampling_config(generation_args, vllm_args, scratch)
+        with generation_engine(model, tokenizer, args) as engine:
+            metrics = evaluate_policy(
+                model,
+                tokenizer,
+                prompts,
+                correct_func,
+                answer_func,
+                generation_args.sampling_settings(),
+                engine=engine,
+                progress=state.is_main_process,
+            )
     if state.is_main_process:
         text = json.dumps(metrics, indent=2)
         print(text)
@@ -137,7 +156,7 @@ def make_parser(prog: str | None = None):
     from trl import TrlParser
 
     parser = TrlParser(
-        (EvalArguments, GenerationArguments),
+        (EvalArguments, GenerationArguments, VLLMArguments),
         prog=prog,
         description="Evaluate a policy: pass@1 (greedy and sampled), maj@k and invalid rate, printed as JSON.",
     )
@@ -148,5 +167,5 @@ def make_parser(prog: str | None = None):
 if __name__ == "__main__":
     show_messages()
     parser = make_parser()
-    script_args, generation_args = parser.parse_args_and_config(fail_with_unknown_args=False)
-    main(script_args, generation_args)
+    script_args, generation_args, vllm_args = parser.parse_args_and_config(fail_with_unknown_args=False)
+    main(script_args, generation_args, vllm_args)

@@ -3,8 +3,9 @@ Sample a TOPR dataset: completions of a prompts dataset by a model, scored by re
 log-probs ([`~trl_topr.sample_completions`]).
 
 The output has one row per completion: `prompt`, `completion`, `reward` (the weighted sum of the reward functions),
-`behavior_logps` (one value per completion token, computed as `trl-topr train` computes them), a column `rewards/<name>`
-per reward function and the prompts' other columns: it is ready for `trl-topr train --dataset_name <output_path>`.
+`behavior_logps` (one value per completion token, computed as `trl-topr train` computes them), a column
+`rewards/<name>` per reward function and the prompts' other columns: it is ready for `trl-topr train --dataset_name
+<output_path>`.
 
 Reward functions have TRL GRPO's signature, `fn(prompts, completions, **columns) -> list[float | None]`, and are given
 by dotted path, as in TRL's GRPO script (`my_rewards.my_reward` for `./my_rewards.py`); a bare name is a function of
@@ -39,17 +40,15 @@ An `--output_path` ending in `.jsonl`, `.json` or `.parquet` writes that file; a
 `accelerate launch` ones), or `accelerate launch -m trl_topr.scripts.sample ...`.
 """
 
-import dataclasses
 from dataclasses import dataclass, field
 
-from trl_topr.config import VLLMArguments
-
+from trl_topr.generation import VLLMArguments
 from trl_topr.scripts.utils import (
     GenerationArguments,
     import_function,
     load_prompts,
-    model_init_kwargs,
     resolve_model,
+    sampling_config,
     save_dataset,
     show_messages,
 )
@@ -97,7 +96,7 @@ def main(script_args: SampleArguments, generation_args: GenerationArguments, vll
             Reward functions, output path, and `max_length`.
         generation_args ([`~trl_topr.scripts.utils.GenerationArguments`]):
             Model, prompts and sampling settings.
-        vllm_args ([`~trl_topr.config.VLLMArguments`], *optional*):
+        vllm_args ([`~trl_topr.generation.arguments.VLLMArguments`], *optional*):
             Sampling with vLLM (TRL's `use_vllm`, `vllm_mode`... options) and the behavior log-probs' source.
 
     Returns:
@@ -105,31 +104,28 @@ def main(script_args: SampleArguments, generation_args: GenerationArguments, vll
     """
     import tempfile
 
-    import torch
     from accelerate import PartialState
     from transformers import AutoTokenizer
 
-    from trl_topr import TOPRConfig, sample_completions
+    from trl_topr import sample_completions
 
     reward_funcs = [import_function(path) for path in script_args.reward_funcs]
     prompts = load_prompts(generation_args)
     model = resolve_model(generation_args.model_name_or_path)
-    init_kwargs = model_init_kwargs(generation_args, device_per_process=True)
     tokenizer = AutoTokenizer.from_pretrained(
         model, revision=generation_args.model_revision, trust_remote_code=generation_args.trust_remote_code
     )
     with tempfile.TemporaryDirectory() as scratch:
-        args = TOPRConfig(
-            output_dir=scratch, use_cpu=not torch.accelerator.is_available(), report_to="none",
-            max_length=script_args.max_length, model_init_kwargs=init_kwargs,
-            trust_remote_code=generation_args.trust_remote_code, **dataclasses.asdict(vllm_args or VLLMArguments()),
-        )  # fmt: skip
+        args = sampling_config(generation_args, vllm_args, scratch, max_length=script_args.max_length)
         samples = sample_completions(
-            model, prompts, reward_funcs, processing_class=tokenizer, reward_weights=script_args.reward_weights,
-            num_samples=generation_args.num_samples, temperature=generation_args.temperature,
-            top_p=generation_args.top_p, top_k=generation_args.top_k, max_new_tokens=generation_args.max_new_tokens,
-            seed=generation_args.seed, batch_size=generation_args.batch_size, args=args,
-        )  # fmt: skip
+            model,
+            prompts,
+            reward_funcs,
+            processing_class=tokenizer,
+            reward_weights=script_args.reward_weights,
+            sampling=generation_args.sampling_settings(),
+            args=args,
+        )
     state = PartialState()
     if state.is_main_process:
         save_dataset(samples, script_args.output_path)

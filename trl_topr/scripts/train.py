@@ -135,16 +135,12 @@ def completion_logprobs(trainer) -> dict[str, float]:
     Returns:
         `dict[str, float]`: `positives` and `negatives` (`nan` for a group without rows).
     """
-    from trl_topr.behavior import behavior_logps
+    from trl_topr.logprobs import behavior_logps
 
     dataset = trainer.train_dataset.select(range(min(PROBE_ROWS, len(trainer.train_dataset))))
-    values = behavior_logps(  # as training computes log pi (every process computes a share)
-        trainer.model, dataset.select_columns(["input_ids", "labels"]).to_list(),
-        pad_token_id=getattr(trainer.processing_class, "tokenizer", trainer.processing_class).pad_token_id,
-        batch_size=trainer.args.per_device_eval_batch_size,
-        autocast=trainer.accelerator.autocast(), training_engine=getattr(trainer, "deepspeed", None),
-        padding_free=trainer.args.padding_free,
-    )  # fmt: skip
+    rows = dataset.select_columns(["input_ids", "labels"]).to_list()
+    # as training computes log pi (every process computes a share)
+    values = behavior_logps(trainer.model, rows, trainer.logps_settings(trainer.args.per_device_eval_batch_size))
     sums = {"positives": [], "negatives": []}
     for row, reward in zip(values, dataset["reward"], strict=True):
         sums["positives" if reward - trainer.baseline >= 0 else "negatives"].append(sum(row) / max(len(row), 1))

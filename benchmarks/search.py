@@ -1,0 +1,93 @@
+"""The iterative benchmark's learning-rate search: which rates an arm scores (`sweep`, `climb`), which wins
+(`best_rate`), and what the protocol may still train (`plan`)."""
+
+import statistics
+
+from arms import ARMS
+
+
+PAST_EDGE = 2  # the most rates a sweep follows its best past the grid's edge
+
+
+def climb(rates: list[float], score, done, past_edge: int = PAST_EDGE) -> dict | None:
+    """A learning-rate sweep: `score(rate)` of each rate in ascending order, stopping at the first rate that scores
+    below a smaller one (past the peak, larger rates are not trained; those already `done` are still read). A best
+    rate at an edge of the rates scored is not known to be the best: then the next rate past that edge is scored, up
+    to `past_edge` rates beyond the grid. Returns {rate: score}, or None when `score` returns None (no time left to
+    run that rate)."""
+    scores, past_peak = {}, False
+    for rate in sorted(rates):
+        if past_peak and not done(rate):
+            continue
+        value = score(rate)
+        if value is None:
+            return None
+        scores[rate] = value
+        past_peak = past_peak or value < max(scores.values())
+    for _ in range(past_edge if len(rates) > 1 else 0):
+        best = best_rate(scores)
+        if best not in (min(scores), max(scores)):
+            break
+        extra = beyond(best, up=best == max(scores))
+        value = score(extra)
+        if value is None:
+            return None
+        scores[extra] = value
+    return scores
+
+
+def best_rate(scores: dict) -> float:
+    return max(scores, key=lambda rate: (scores[rate], -rate))  # ties: the smaller rate
+
+
+def beyond(rate: float, up: bool) -> float:
+    """The next rate past `rate` on the 1-3-10 ladder (..., 1e-5, 3e-5, 1e-4, ...)."""
+    threes = f"{rate:.0e}".startswith("3")
+    factor = (10 / 3 if threes else 3) if up else (3 if threes else 10 / 3)
+    return float(f"{rate * factor if up else rate / factor:.0e}")
+
+
+def grid(setting: dict, method: str) -> list[float]:
+    """The rates an arm's sweep starts from: the scale's `replay_lrs` for a replay arm, else its `lrs`."""
+    return setting["replay_lrs"] if ARMS[method].replay else setting["lrs"]
+
+
+def sweep(setting: dict, method: str, score, ledger) -> dict | None:
+    """An arm's rate sweep (see `climb`): the replay arms score every rate of their grid, the others stop past the
+    peak (rates already in the ledger are still read)."""
+    every = ARMS[method].replay
+    return climb(
+        grid(setting, method),
+        score,
+        lambda lr: every or all(ledger.get(method, lr, seed) is not None for seed in range(setting["sweep_seeds"])),
+        past_edge=setting.get("past_edge", PAST_EDGE),
+    )
+
+
+def plan(setting: dict, methods: list[str], ledger) -> str:
+    """The runs the protocol may train, arm by arm (every grid rate on the sweep seeds, then the other seeds at the
+    best rate, and the rates past an edge where the scale follows them), with those already in the ledger, and the
+    estimated hours of the rest: each run at the mean seconds of the arm's finished runs, else of all finished runs,
+    else the scale's `run_seconds` estimate."""
+    finished = [e["seconds"] for e in ledger.runs.values() if not e["resumed"]]
+    default = statistics.fmean(finished) if finished else setting["run_seconds"]
+    lines, total_todo, total_runs = [], 0.0, 0
+    for method in methods:
+        rates = grid(setting, method)
+        seeds = setting["sweep_seeds"] * (len(rates) + setting.get("past_edge", PAST_EDGE))
+        most = seeds + setting["seeds"] - setting["sweep_seeds"]  # the sweep, then the other seeds at the best rate
+        done = sum(m == method for m, _, _ in ledger.runs)
+        own = [e["seconds"] for (m, _, _), e in ledger.runs.items() if m == method and not e["resumed"]]
+        each = statistics.fmean(own) if own else default
+        todo = max(most - done, 0) * each / 3600
+        total_todo, total_runs = total_todo + todo, total_runs + most
+        lines.append(
+            f"{method}: rates {' '.join(f'{r:g}' for r in rates)} on seeds 0-{setting['sweep_seeds'] - 1}, "
+            f"then seeds up to {setting['seeds'] - 1} at the best: at most {most} runs, {done} done, "
+            f"{each / 60:.0f} min a run, at most {todo:.1f} h to go"
+        )
+    lines.append(
+        f"In all: at most {total_runs} runs, at most {total_todo:.1f} h to go on one process "
+        f"(two processes with one thread each, --methods split between them: about half the wall time)"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,114 @@
+"""The layering rules of docs/architecture.md, held to the code: read from each module's imports (its syntax tree), so
+that a change that breaks a rule fails here, naming the module and the import."""
+
+import ast
+import subprocess
+from pathlib import Path
+
+import pytest
+
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "trl_topr"
+
+
+def imports(path: Path) -> list[tuple[str, list[str], int]]:
+    """Each import of a file, anywhere in it: (the module imported, resolved for relative imports; the names taken;
+    the line)."""
+    module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    package = module.rsplit(".", 1)[0] if path.name != "__init__.py" else module.removesuffix(".__init__")
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, [], node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            name = node.module or ""
+            if node.level:
+                base = base[: len(base) - node.level + 1]
+                name = ".".join([*base, name] if name else base)
+            found.append((name, [alias.name for alias in node.names], node.lineno))
+    return found
+
+
+def package_files() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+@pytest.mark.parametrize(
+    "low",
+    [
+        "trl_topr/sampling.py",
+        "trl_topr/evaluation.py",
+        "trl_topr/logprobs.py",
+        *[str(p.relative_to(ROOT)) for p in sorted((PACKAGE / "generation").glob("*.py"))],
+    ],
+)
+def test_sampling_generation_and_logprobs_import_neither_config_nor_trainer(low):
+    bad = upper_imports(ROOT / low)
+    assert not bad, f"{low} imports {bad}: the lower layers read options duck-typed (docs/architecture.md)"
+
+
+def upper_imports(path: Path) -> list[tuple[str, int]]:
+    """The imports of a lower-layer module that reach the configuration, the trainers or the loop (or the package's
+    top, which imports them all)."""
+    upper = ("trl_topr.config", "trl_topr.trainer", "trl_topr.online", "trl_topr.loop")
+    return [(name, line) for name, names, line in imports(path) if name in upper or (name == "trl_topr" and names)]
+
+
+def test_no_module_imports_a_private_name_of_another():
+    for path in [
+        *package_files(),
+        *sorted((ROOT / "benchmarks").glob("*.py")),
+        *sorted((ROOT / "recipes").glob("*.py")),
+    ]:
+        for name, names, line in imports(path):
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            assert not (private and (name.startswith("trl_topr") or "." not in name)), (
+                f"{path.relative_to(ROOT)}:{line} imports {private} from {name}: make it public and documented"
+            )
+
+
+def test_benchmarks_import_no_tests_and_patch_no_path():
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        text = path.read_text()
+        assert "sys.path.insert" not in text and "sys.path.append" not in text, f"{path.name} patches sys.path"
+        tests = {p.stem for p in (ROOT / "tests").glob("*.py")}
+        used = [(name, line) for name, _, line in imports(path) if name.split(".")[0] in tests]
+        assert not used, f"{path.name} imports from tests/: {used}"
+
+
+@pytest.mark.parametrize("added", ["from ..trainer import TOPRTrainer", "    from trl_topr.config import TOPRConfig"])
+def test_a_rule_breaking_import_is_caught(tmp_path, monkeypatch, added):
+    # the check reads real imports, relative or absolute, at any depth: one added to a lower module is found
+    source = (PACKAGE / "generation" / "arguments.py").read_text()
+    fake = tmp_path / "trl_topr" / "generation" / "arguments.py"
+    fake.parent.mkdir(parents=True)
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    fake.write_text(source)
+    assert upper_imports(fake) == []
+    fake.write_text(source + "\n\ndef later():\n" + (added if added.startswith(" ") else "    " + added) + "\n")
+    assert [name for name, _ in upper_imports(fake)] == [added.split()[1].replace("..", "trl_topr.")]
+
+
+def test_the_formatter_formats():
+    # `ruff format` lays the code out (CI runs `ruff format --check`): few statements opt out, and no line is longer
+    # than the configured 119 characters
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    files = [ROOT / name for name in listed if (ROOT / name).exists()]
+    assert len(files) > 50
+    skipped = {str(p.relative_to(ROOT)): p.read_text().count("# fmt: skip") for p in files}
+    assert sum(skipped.values()) <= 20, {name: count for name, count in skipped.items() if count}
+    long = [
+        f"{p.relative_to(ROOT)}:{n}"
+        for p in files
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if len(line) > 119
+    ]
+    assert not long, long
