@@ -554,6 +554,11 @@ def embedded_precision_line(folder: str = "embedded") -> str:
     return "```\n" + log_match(folder, "log.txt", r"Precision: .*") + "\n```"
 
 
+def logged_precision(folder: str) -> str:
+    """The precision a run logged that it computes in ("Precision: bf16 on cpu (...)" -> "bf16")."""
+    return re.search(r"Precision: (\w+) on ", load(folder, "log.txt")).group(1)
+
+
 def embedded_probe(folder: str = "embedded") -> str:
     """The bf16/float32 speedup the precision rule measured in that run, as it logged it."""
     return re.search(r"bf16 matmuls ran ([\d.]+)x float32's", load(folder, "log.txt")).group(1)
@@ -837,6 +842,7 @@ QUOTES: dict[str, tuple] = {
     "verifier.tables": (verifier_tables,),
     "verifier.time": (run_time, "verifier-embedded"),
     "verifier.machine": (machine, "verifier-embedded"),
+    "verifier.precision": (logged_precision, "verifier-embedded"),
     "verifier.correct": (result_value, "verifier-embedded", ("labels", "test"), "{:.3f}", "verifier_results.json"),
     "verifier.constant": (verifier_constant,),
     "verifier-embedded.commit": (commit, "verifier-embedded"),
