@@ -41,6 +41,7 @@ def package_files() -> list[Path]:
         "trl_topr/sampling.py",
         "trl_topr/evaluation.py",
         "trl_topr/logprobs.py",
+        "trl_topr/trajectories.py",
         *[str(p.relative_to(ROOT)) for p in sorted((PACKAGE / "generation").glob("*.py"))],
     ],
 )

@@ -2,7 +2,10 @@
 
 A TOPR dataset has one row per completion, with columns (names configurable in [`TOPRConfig`]):
 
-- `prompt`, `completion`: text, or lists of messages (conversational), as TRL's prompt-completion datasets;
+- `prompt`, `completion`: text, or lists of messages (conversational), as TRL's prompt-completion datasets. A
+  conversational completion may be a multi-turn trajectory: several assistant turns (with `content` and/or TRL's
+  `tool_calls`) and the `tool` messages that answer them, with TRL's `tools` column. Only the policy's tokens are
+  trained: those of the assistant turns (see [`is_multi_turn`]);
 - `reward`: a finite number, or instead a boolean `label` (+1 / -1);
 - `behavior_logps` (optional): log mu of the completion, one float (summed over the completion tokens) or a list with
   one float per completion token;
@@ -10,10 +13,14 @@ A TOPR dataset has one row per completion, with columns (names configurable in [
   produced. When given, they are what is trained, exactly: no re-tokenization of the text, and no end-of-sequence
   token added (a completion cut at the length limit stays cut; one that ended carries its own end token). The text
   columns are then for reading and for reward functions only.
+- `tool_mask` (optional, with the token ids; TRL's name): one 0 / 1 per completion token, 0 on the tokens the policy
+  did not produce (tool results, the template's headers around them). Those tokens are context: they are not
+  trained and do not count in log pi, log mu, the ratio, the length normalization or the metrics.
 
-Every row must keep at least one completion token after tokenization and `max_length` truncation. An empty
-completion does: it is trained on what the tokenization adds after it (the EOS token of text, the end of the
-assistant turn of messages), the decision to stop at once.
+The *trained tokens* of a row are the completion tokens the policy produced; per-token `behavior_logps` give one
+value per trained token. Every row must keep at least one trained token after tokenization and `max_length`
+truncation. An empty completion does: it is trained on what the tokenization adds after it (the EOS token of text,
+the end of the assistant turn of messages), the decision to stop at once.
 
 Errors name the column and the first offending row, and are raised before any model is loaded or trained.
 """
@@ -32,6 +39,8 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 PROMPT, COMPLETION, REWARD, BEHAVIOR_LOGPS = "prompt", "completion", "reward", "behavior_logps"
 # Token ids of sampled data (TRL's names for tokenized prompt-completion data); never renamed.
 PROMPT_IDS, COMPLETION_IDS = "prompt_ids", "completion_ids"
+# 0 on the completion tokens the policy did not produce (TRL's name, as its GRPO trainer records tool results)
+TOOL_MASK = "tool_mask"
 
 
 class TOPRDataError(ValueError):
@@ -68,16 +77,43 @@ KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def completion_text(completion) -> str:
-    """The text of a completion: a string (standard format) or the last message's content (conversational)."""
-    return completion if isinstance(completion, str) else completion[-1]["content"]
+    """The text of a completion: a string (standard format), or the content of the last assistant turn
+    (conversational; empty when that turn only calls tools)."""
+    if isinstance(completion, str):
+        return completion
+    turns = [m for m in completion if m["role"] == "assistant"]
+    return (turns[-1].get("content") or "") if turns else ""
+
+
+def is_multi_turn(completion) -> bool:
+    """
+    Whether a completion is a multi-turn trajectory: a conversational completion other than one assistant message
+    (several turns, or `tool` messages). Its trained tokens are those the policy produced in its assistant turns
+    (see [`~trl_topr.trajectories.trajectory_ids`]).
+
+    Args:
+        completion (`str` or `list[dict]`):
+            The completion, text or messages.
+
+    Returns:
+        `bool`: whether it is multi-turn.
+    """
+    return isinstance(completion, list) and (len(completion) != 1 or completion[0]["role"] != "assistant")
+
+
+def _is_message(message: Any) -> bool:
+    # TRL's message: a string role and content; an assistant turn that calls tools may have no content
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        return False
+    content = message.get("content")
+    if message["role"] == "assistant" and message.get("tool_calls"):
+        return content is None or isinstance(content, (str, list))
+    return isinstance(content, (str, list))
 
 
 def _check_text(value: Any, conversational: bool, dataset_name: str, column: str, row: int, is_completion: bool):
     if conversational:
-        if not isinstance(value, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), (str, list))
-            for m in value
-        ):
+        if not isinstance(value, list) or not all(_is_message(m) for m in value):
             raise data_error(
                 dataset_name,
                 column,
@@ -98,6 +134,30 @@ def _check_text(value: Any, conversational: bool, dataset_name: str, column: str
                 row,
                 f"expected a string (row 0's prompt is text), got {type(value).__name__}: {value!r}.",
             )
+
+
+def _check_turns(prompt: list, completion: list, dataset_name: str, column: str, row: int) -> None:
+    # A trajectory: the policy speaks at least once, and every tool message answers an assistant turn before it.
+    if not any(m["role"] == "assistant" for m in completion):
+        raise data_error(
+            dataset_name,
+            column,
+            row,
+            f"the completion has no assistant turn, so no token of the policy to train (roles "
+            f"{[m['role'] for m in completion]}). A conversational completion holds what the policy said.",
+        )
+    speaker = prompt[-1]["role"] if prompt else None  # who spoke last before the tool messages
+    for index, message in enumerate(completion):
+        if message["role"] == "tool" and speaker != "assistant":
+            raise data_error(
+                dataset_name,
+                column,
+                row,
+                f"message {index} is a tool result with no assistant turn before it to have called the tool (it "
+                f"follows {speaker!r}).",
+            )
+        if message["role"] != "tool":
+            speaker = message["role"]
 
 
 def check_prompts(dataset: Dataset, dataset_name: str = "prompts") -> None:
@@ -158,7 +218,10 @@ def validate_and_standardize(dataset: Dataset, args, dataset_name: str = "train"
     for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
         _check_text(prompt, conversational, dataset_name, args.prompt_column, row, is_completion=False)
         _check_text(completion, conversational, dataset_name, args.completion_column, row, is_completion=True)
+        if conversational:
+            _check_turns(prompt, completion, dataset_name, args.completion_column, row)
     _check_token_ids(dataset, dataset_name)
+    _check_multi_turn(dataset, args, dataset_name)
     rewards = _checked_rewards(dataset, args, dataset_name)
     if args.behavior_logps_column in columns:
         _check_behavior_logps(dataset[args.behavior_logps_column], args, dataset_name)
@@ -224,6 +287,65 @@ def _check_token_ids(dataset, dataset_name: str) -> None:
                     )
                 if column == COMPLETION_IDS and not ids:
                     raise data_error(dataset_name, column, row, "a completion needs at least one token id, got [].")
+    if TOOL_MASK in columns:
+        if COMPLETION_IDS not in columns:
+            raise TOPRDataError(
+                f"{dataset_name} dataset: column '{TOOL_MASK}' without '{COMPLETION_IDS}': the mask marks the "
+                "policy's tokens among the completion's token ids."
+            )
+        for row, (mask, ids) in enumerate(zip(dataset[TOOL_MASK], dataset[COMPLETION_IDS], strict=True)):
+            if not isinstance(mask, list) or not all(m in (0, 1) and not isinstance(m, float) for m in mask):
+                raise data_error(dataset_name, TOOL_MASK, row, f"expected a list of 0 / 1, got {mask!r}.")
+            if len(mask) != len(ids):
+                raise data_error(
+                    dataset_name,
+                    TOOL_MASK,
+                    row,
+                    f"{len(mask)} values for {len(ids)} completion token ids: one per token of '{COMPLETION_IDS}'.",
+                )
+            if not any(mask):
+                raise data_error(
+                    dataset_name,
+                    TOOL_MASK,
+                    row,
+                    "no token of the completion is the policy's (the mask is all 0): nothing to train.",
+                )
+
+
+def first_multi_turn_row(dataset: Dataset, column: str = COMPLETION) -> int | None:
+    """
+    The first row of `dataset` whose completion is multi-turn ([`is_multi_turn`]) and is trained from its text (no
+    token ids), or `None`: whether the text is tokenized turn by turn
+    ([`~trl_topr.trajectories.trajectory_ids`]).
+
+    Args:
+        dataset ([`~datasets.Dataset`]):
+            The dataset.
+        column (`str`, *optional*, defaults to `"completion"`):
+            Its completion column.
+
+    Returns:
+        `int` or `None`: the row.
+    """
+    if PROMPT_IDS in dataset.column_names:  # the ids are trained, with their `tool_mask`
+        return None
+    return next((row for row, c in enumerate(dataset[column]) if is_multi_turn(c)), None)
+
+
+def _check_multi_turn(dataset, args, dataset_name: str) -> None:
+    # Multi-turn completions given as token ids need their tool mask: no way to tell the policy's tokens otherwise.
+    if PROMPT_IDS not in dataset.column_names or TOOL_MASK in dataset.column_names:
+        return
+    column = args.completion_column
+    row = next((row for row, c in enumerate(dataset[column]) if is_multi_turn(c)), None)
+    if row is not None:
+        raise data_error(
+            dataset_name,
+            column,
+            row,
+            f"a multi-turn completion (tool messages or several turns) given as token ids needs a '{TOOL_MASK}' "
+            f"column: 0 on the tokens the policy did not produce (the tool results), so that they are not trained.",
+        )
 
 
 def _checked_rewards(dataset, args, dataset_name: str) -> list[float]:
@@ -273,9 +395,11 @@ def check_and_truncate_tokens(dataset: Dataset, max_length: int | None, dataset_
     Check a tokenized TOPR dataset (as produced by TRL's SFT tokenization, with `labels` at -100 on the prompt) and
     truncate it to `max_length`, keeping the start.
 
-    The completion tokens are those whose label is not -100: the tokens of the completion text plus the end-of-sequence
-    token appended to standard (non-conversational) completions, or, for conversational data, everything the chat
-    template renders after the prompt's generation prompt (e.g. the end-of-turn token). A token at position 0 (an empty
+    The completion tokens (the trained tokens) are those whose label is not -100: the tokens of the completion text
+    plus the end-of-sequence token appended to standard (non-conversational) completions; for conversational data,
+    everything the chat template renders after the prompt's generation prompt (e.g. the end-of-turn token); for token
+    ids (also those of multi-turn completions, see [`~trl_topr.trajectories.trajectory_ids`]), the completion ids
+    where the `tool_mask` is 1. A token at position 0 (an empty
     prompt with a tokenizer that adds no BOS token) has no context to be scored from and is not a completion token.
     Per-token `behavior_logps` must have one value per completion token, in order, and are truncated with the
     completion.
@@ -315,9 +439,12 @@ def check_and_truncate_tokens(dataset: Dataset, max_length: int | None, dataset_
                 dataset_name,
                 BEHAVIOR_LOGPS,
                 row,
-                f"{len(behavior[row])} per-token values for {num_completion} completion tokens. The completion tokens "
-                "are those TRL's tokenization trains on: for text, the completion plus the EOS token; for messages, "
-                "everything the chat template renders after the generation prompt.",
+                f"{len(behavior[row])} per-token values for {num_completion} trained tokens: one per token the "
+                "policy produced, in order. The trained tokens are: for token ids, those of `completion_ids` (where "
+                f"'{TOOL_MASK}' is 1); for text, the completion plus the EOS token; for messages, everything the chat "
+                "template renders after the generation prompt, or, in a dataset of multi-turn completions, what the "
+                "policy generated in each assistant turn, up to its end-of-turn token (not the tool results, nor the "
+                "headers the template puts around them).",
             )
         if max_length is None or len(labels) <= max_length:
             continue

@@ -145,21 +145,27 @@ def inference_mode(model: torch.nn.Module, checkpointing_kwargs: dict | None = N
             getattr(model, f"{CHECKPOINTING}_enable")(checkpointing_kwargs)
 
 
-def completion_row(prompt_ids: list[int], completion_ids: list[int]) -> dict[str, list[int]]:
+def completion_row(
+    prompt_ids: list[int], completion_ids: list[int], tool_mask: list[int] | None = None
+) -> dict[str, list[int]]:
     """
     The tokenized row of a prompt and its completion, as training reads it: `input_ids` (prompt + completion) and
-    `labels` (-100 on the prompt, the completion's ids on its tokens).
+    `labels` (-100 on the prompt and on the completion tokens the policy did not produce, the ids elsewhere).
 
     Args:
         prompt_ids (`list[int]`):
             The prompt's token ids.
         completion_ids (`list[int]`):
             The completion's token ids.
+        tool_mask (`list[int]`, *optional*):
+            One 0 / 1 per completion token (TRL's `tool_mask`): 0 on a token the policy did not produce (a tool's
+            result), which is context, not trained. By default every completion token is the policy's.
 
     Returns:
         `dict[str, list[int]]`: the row.
     """
-    return {"input_ids": prompt_ids + completion_ids, "labels": [-100] * len(prompt_ids) + completion_ids}
+    labels = completion_ids if tool_mask is None else [i if m else -100 for i, m in zip(completion_ids, tool_mask)]
+    return {"input_ids": prompt_ids + completion_ids, "labels": [-100] * len(prompt_ids) + labels}
 
 
 @dataclasses.dataclass

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 
-from .data import BEHAVIOR_LOGPS, COMPLETION_IDS, PROMPT_IDS, REWARD, TOPRDataError
+from .data import BEHAVIOR_LOGPS, COMPLETION_IDS, PROMPT_IDS, REWARD, TOOL_MASK, TOPRDataError
 from .logprobs import behavior_logps, completion_row, logps_settings
 from .loss import TAPERED_BELOW, topr_weights
 
@@ -152,7 +152,8 @@ def metrics_by_age(
         `dict[str, float]`: `age_<k>/rows`, `age_<k>/log_ratio_mean`, `age_<k>/log_ratio_min`, `age_<k>/ratio_mean`,
         `age_<k>/negative_tapered_fraction` (`nan` without negatives) and `age_<k>/weight_share`.
     """
-    tokenized = [completion_row(p, c) for p, c in zip(rows[PROMPT_IDS], rows[COMPLETION_IDS], strict=True)]
+    masks = rows[TOOL_MASK] if TOOL_MASK in rows.column_names else [None] * len(rows)
+    tokenized = [completion_row(*row) for row in zip(rows[PROMPT_IDS], rows[COMPLETION_IDS], masks, strict=True)]
     settings = logps_settings(args, processing_class, next(policy.parameters()).device, batch_size=batch_size)
     pi = behavior_logps(policy, tokenized, settings)
     log_ratio = torch.tensor([math.fsum(p) - math.fsum(m[: len(p)]) for p, m in zip(pi, rows[BEHAVIOR_LOGPS])])

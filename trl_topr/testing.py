@@ -31,9 +31,10 @@ CORPUS = [
 ] * 20
 
 
-def build_tiny_model(folder: str, seed: int = 0, hidden_size: int = 32) -> str:
+def build_tiny_model(folder: str, seed: int = 0, hidden_size: int = 32, chat_template: str = CHATML) -> str:
     """
-    Save a 2-layer Llama (random weights) and a ~200-token BPE tokenizer with a ChatML template to `folder`.
+    Save a 2-layer Llama (random weights) and a ~200-token BPE tokenizer with a chat template (ChatML by default) to
+    `folder`.
 
     Args:
         folder (`str`):
@@ -42,6 +43,8 @@ def build_tiny_model(folder: str, seed: int = 0, hidden_size: int = 32) -> str:
             Seed of the weights.
         hidden_size (`int`, *optional*, defaults to `32`):
             Width of the model.
+        chat_template (`str`, *optional*, defaults to `CHATML`):
+            The tokenizer's chat template (e.g. a tool-calling one, `trl.chat_template_utils.qwen2_5_chat_template`).
 
     Returns:
         `str`: `folder`, loadable with `from_pretrained`.
@@ -57,7 +60,7 @@ def build_tiny_model(folder: str, seed: int = 0, hidden_size: int = 32) -> str:
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, unk_token="<unk>", pad_token="<pad>", eos_token="<|im_end|>"
     )
-    tokenizer.chat_template = CHATML
+    tokenizer.chat_template = chat_template
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer),

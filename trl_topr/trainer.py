@@ -23,6 +23,7 @@ from .data import (
     COMPLETION_IDS,
     PROMPT_IDS,
     REWARD,
+    TOOL_MASK,
     DataCollatorForTOPR,
     TOPRDataError,
     check_and_truncate_tokens,
@@ -39,6 +40,7 @@ from .logprobs import (
     logps_settings,
 )
 from .loss import combine_metrics, topr_loss
+from .trajectories import with_trajectory_ids
 
 
 logger = get_logger(__name__)
@@ -269,6 +271,8 @@ class TOPRTrainer(SFTTrainer):
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
         if "input_ids" in dataset.column_names:  # already prepared
             return dataset
+        # multi-turn messages: cut into the policy's token ids and the rest, as a sampler records them
+        dataset = with_trajectory_ids(dataset, processing_class, dataset_name)
         if PROMPT_IDS in dataset.column_names:  # the sampler's own ids: trained exactly, TRL sees tokenized data
             dataset = self._tokens_from_ids(dataset, dataset_name)
         # Tokenize with TRL's SFT preparation, untruncated, so that the checks below see every row at its index.
@@ -290,7 +294,7 @@ class TOPRTrainer(SFTTrainer):
                     )
 
         def concatenate(example):
-            return completion_row(example[PROMPT_IDS], example[COMPLETION_IDS])
+            return completion_row(example[PROMPT_IDS], example[COMPLETION_IDS], example.get(TOOL_MASK))
 
         return dataset.map(concatenate, desc=f"Taking the sampled token ids of the {dataset_name} dataset")
 

@@ -1,0 +1,143 @@
+"""Multi-turn trajectories: assistant turns, the tool results between them, and which of their tokens the policy
+produced.
+
+Only the policy's tokens are trained: a tool's words are not the policy's action, so they have no place in log pi, log
+mu or their ratio. A trajectory is trained as token ids with TRL's `tool_mask` (0 on the tokens the policy did not
+produce), as a sampler records it; a trajectory given as messages is first cut into those ids here."""
+
+import json
+from typing import Any
+
+from datasets import Dataset
+
+from .data import COMPLETION, COMPLETION_IDS, PROMPT, PROMPT_IDS, TOOL_MASK, data_error, first_multi_turn_row
+from .generation.engine import text_tokenizer
+
+
+# TRL's column of the tools a row's model could call (JSON text or a list of schemas)
+TOOLS = "tools"
+
+
+class TrajectoryError(ValueError):
+    """A trajectory the chat template cannot cut into the policy's tokens and the rest."""
+
+
+def row_tools(tools: Any) -> list | None:
+    """The tools of a row as `apply_chat_template` takes them: TRL's `tools` column holds JSON text or a list."""
+    return json.loads(tools) if isinstance(tools, str) else tools
+
+
+def trajectory_ids(processing_class, prompt: list[dict], completion: list[dict], tools: list | None = None) -> dict:
+    """
+    The token ids of a conversational prompt and completion, and which completion tokens the policy produced: what a
+    sampler records for the trajectory (the completion's ids and TRL's `tool_mask`).
+
+    The chat template renders the conversation once. In each assistant turn, the policy produced the text from the
+    end of the generation prompt (the template's rendering of the conversation before the turn, with
+    `add_generation_prompt=True`) to its end-of-turn token (the tokenizer's EOS token, included; the whole turn where
+    the template writes none). Everything else is context, with mask 0: tool results, the headers the template puts
+    around them, the text it adds after the end-of-turn token, system and user turns. A trajectory that ends on an
+    assistant turn ends at its end-of-turn token, as generation stops there. Each piece is tokenized on its own, as
+    generation cuts the sequence (the policy's tokens do not merge with the template's).
+
+    Args:
+        processing_class ([`~transformers.PreTrainedTokenizerBase`] or [`~transformers.ProcessorMixin`]):
+            The tokenizer (or processor) whose chat template renders the conversation.
+        prompt (`list[dict]`):
+            The prompt's messages.
+        completion (`list[dict]`):
+            The completion's messages: assistant turns (`content` and/or TRL's `tool_calls`), `tool` results and
+            other turns.
+        tools (`list`, *optional*):
+            The tools' schemas (or functions), as `apply_chat_template` takes them.
+
+    Returns:
+        `dict`: `prompt_ids`, `completion_ids` and `tool_mask` (one 0 / 1 per completion id).
+
+    Raises:
+        [`TrajectoryError`]: when the template renders a conversation's start differently once more messages follow
+        (it is not prefix-preserving: the policy's text cannot be located), or drops an assistant's tool calls.
+    """
+    tokenizer = text_tokenizer(processing_class)
+
+    def render(messages: list[dict], generation_prompt: bool) -> str:
+        text = processing_class.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False
+        )
+        if not full.startswith(text):
+            raise TrajectoryError(
+                f"the chat template renders the conversation up to message {len(messages) - len(prompt)} of the "
+                "completion differently once the rest follows (it is not prefix-preserving), so the policy's text "
+                "cannot be told from the rest. Use a template that renders earlier turns the same way (TRL's "
+                "`get_training_chat_template` gives one for many models), or give the trajectory as token ids with a "
+                "`tool_mask`."
+            )
+        return text
+
+    full = processing_class.apply_chat_template(prompt + completion, tools=tools, tokenize=False)
+    cuts = [len(render(prompt, generation_prompt=completion[0]["role"] == "assistant"))]
+    for index, message in enumerate(completion):
+        if message["role"] != "assistant":
+            continue
+        start = len(render(prompt + completion[:index], generation_prompt=True))
+        end = len(render(prompt + completion[: index + 1], generation_prompt=False))
+        stop = full.find(tokenizer.eos_token, start, end) if tokenizer.eos_token else -1
+        end = stop + len(tokenizer.eos_token) if stop >= 0 else end
+        for call in message.get("tool_calls") or []:
+            name = call.get("function", call).get("name", "")
+            if name not in full[start:end]:
+                raise TrajectoryError(
+                    f"the chat template drops the tool calls of message {index} of the completion (the call to "
+                    f"{name!r} is not in its rendering), so the policy would be trained on a turn it did not say. "
+                    "Use a chat template that renders `tool_calls`."
+                )
+        cuts += [start, end]
+    # a trajectory that ends on the policy's turn ends at its end-of-turn token, as generation does; one that ends on
+    # a tool result (the call limit) keeps it as context
+    cuts.append(len(full) if completion[-1]["role"] != "assistant" else cuts[-1])
+
+    # Pieces between the cuts alternate: context (the prompt first), then the policy's, then context...
+    pieces = [full[a:b] for a, b in zip(cuts, cuts[1:])]
+    completion_ids, tool_mask = [], []
+    for number, piece in enumerate(pieces):
+        ids = tokenizer(piece, add_special_tokens=False)["input_ids"] if piece else []
+        completion_ids += ids
+        tool_mask += [number % 2] * len(ids)
+    prompt_ids = tokenizer(full[: cuts[0]], add_special_tokens=False)["input_ids"]
+    return {PROMPT_IDS: prompt_ids, COMPLETION_IDS: completion_ids, TOOL_MASK: tool_mask}
+
+
+def with_trajectory_ids(dataset: Dataset, processing_class, dataset_name: str = "train") -> Dataset:
+    """
+    `dataset` with the token ids of its trajectories ([`trajectory_ids`]) when it holds multi-turn conversational
+    completions given as messages only; as it is otherwise. Every row of such a dataset is cut the same way, a
+    single-turn one too (its policy's tokens end at its end-of-turn token).
+
+    Args:
+        dataset ([`~datasets.Dataset`]):
+            A checked dataset with canonical columns (see [`~trl_topr.data.validate_and_standardize`]) and, optionally,
+            TRL's `tools` column.
+        processing_class ([`~transformers.PreTrainedTokenizerBase`] or [`~transformers.ProcessorMixin`]):
+            The tokenizer.
+        dataset_name (`str`, *optional*, defaults to `"train"`):
+            Name used in error messages.
+
+    Returns:
+        [`~datasets.Dataset`]: the dataset, with `prompt_ids`, `completion_ids` and `tool_mask` where it had
+        multi-turn completions.
+
+    Raises:
+        [`~trl_topr.data.TOPRDataError`]: naming the row of a trajectory the chat template cannot cut.
+    """
+    if first_multi_turn_row(dataset) is None:
+        return dataset
+    tools = dataset[TOOLS] if TOOLS in dataset.column_names else [None] * len(dataset)
+    rows = []
+    for row, (prompt, completion, row_tool) in enumerate(zip(dataset[PROMPT], dataset[COMPLETION], tools)):
+        try:
+            rows.append(trajectory_ids(processing_class, prompt, completion, row_tools(row_tool)))
+        except TrajectoryError as error:
+            raise data_error(dataset_name, COMPLETION, row, str(error)) from error
+    for column in (PROMPT_IDS, COMPLETION_IDS, TOOL_MASK):
+        dataset = dataset.add_column(column, [r[column] for r in rows])
+    return dataset
