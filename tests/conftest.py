@@ -75,6 +75,42 @@ def tiny_model_path(tmp_path_factory) -> str:
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny-llama")))
 
 
+def multiply(a: int, b: int) -> int:
+    """
+    Multiply two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a * b
+
+
+TOOL_PROMPT = [{"role": "user", "content": "What is 7 * 8?"}]
+TOOL_TRAJECTORY = [
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "multiply", "arguments": {"a": 7, "b": 8}}}],
+    },
+    {"role": "tool", "name": "multiply", "content": "56"},
+    {"role": "assistant", "content": "The answer is 56."},
+]
+
+
+@pytest.fixture(scope="session")
+def tool_policy(tmp_path_factory) -> str:
+    """A tiny policy with a tool-calling template (Qwen2.5's, as TRL ships it) that calls `multiply(7, 8)` when asked
+    7 * 8 (`TOOL_PROMPT`), then answers from the result (`TOOL_TRAJECTORY`)."""
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    from trl_topr.testing import build_tool_policy
+
+    tokenizer = build_tiny_model(str(tmp_path_factory.mktemp("tool-tokenizer")), chat_template=qwen2_5_chat_template)
+    folder = str(tmp_path_factory.mktemp("tool-policy"))
+    return build_tool_policy(folder, tokenizer, TOOL_PROMPT, TOOL_TRAJECTORY, [multiply])
+
+
 # Tests of a path that also runs on CUDA: "cuda" runs where a GPU exists (`pytest -m gpu`), "cpu" everywhere.
 DEVICES = [
     "cpu",

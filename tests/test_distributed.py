@@ -168,3 +168,72 @@ def test_loop_under_two_processes_trains_the_same_weights_everywhere(tiny_model_
     assert rounds[0] == rounds[1] and [r["round"] for r in rounds[0]] == [0, 1]
     assert rounds[0][1]["num_samples"] == 12  # 6 prompts x 2 samples, split across the processes and gathered
     assert len((round_dir / "samples.jsonl").read_text().splitlines()) == 12
+
+
+TOOL_WORKER = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, {tests!r})
+    from accelerate import PartialState
+    from conftest import TOOL_PROMPT, end_processes, make_args, multiply
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl_topr import run_topr_loop, sample_completions
+    from trl_topr.generation import SamplingSettings
+
+    def multiply_here(a: int, b: int) -> int:
+        \"\"\"
+        Multiply two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        \"\"\"
+        return a * b + 1000 * PartialState().process_index  # differs by process: must run once, and be shared
+    multiply_here.__name__ = "multiply"
+
+    def correct(prompts, completions, answer, **kwargs):
+        return [1.0 if c[-1]["role"] == "assistant" and a in c[-1]["content"] else -1.0
+                for c, a in zip(completions, answer)]
+
+    path, out = sys.argv[1], sys.argv[2]
+    args = make_args(f"{{out}}/loop", max_steps=-1, per_device_train_batch_size=2, learning_rate=1e-5)  # 2 CPU procs
+    rank = PartialState().process_index
+    prompts = Dataset.from_dict({{"prompt": [TOOL_PROMPT] * 4, "answer": ["56"] * 4}})
+    samples = sample_completions(AutoModelForCausalLM.from_pretrained(path), prompts, correct, args=args,
+                                 processing_class=AutoTokenizer.from_pretrained(path), tools=[multiply_here],
+                                 sampling=SamplingSettings(temperature=0.0, max_new_tokens=200), progress=False)
+    columns = ["completion", "completion_ids", "tool_mask", "tool_call_count"]
+    with open(f"{{out}}/samples-rank{{rank}}.json", "w") as f:
+        json.dump(samples.select_columns(columns).to_list(), f)
+    rounds = run_topr_loop(path, prompts, correct, args, num_rounds=2, replay_rounds=1, tools=[multiply],
+                           sampling=SamplingSettings(num_samples=2, max_new_tokens=200), progress=False)
+    with open(f"{{out}}/rounds-rank{{rank}}.json", "w") as f:
+        json.dump(rounds, f)
+    end_processes()
+    """
+)
+
+
+def test_tools_run_once_and_the_loop_replays_trajectories_under_two_processes(tool_policy, tmp_path):
+    script = tmp_path / "tool_worker.py"
+    script.write_text(TOOL_WORKER.format(tests=str(Path(__file__).parent)))
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    result = subprocess.run(
+        [*command, str(script), tool_policy, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    samples = [json.loads((tmp_path / f"samples-rank{r}.json").read_text()) for r in (0, 1)]
+    # every process holds the same trajectories, whose tool results the main process computed once
+    assert samples[0] == samples[1] and len(samples[0]) == 4
+    assert all(s["tool_call_count"] == 1 and s["completion"][1]["content"] == "56" for s in samples[0])
+    assert all(0 < sum(s["tool_mask"]) < len(s["completion_ids"]) for s in samples[0])
+    rounds = [json.loads((tmp_path / f"rounds-rank{r}.json").read_text()) for r in (0, 1)]
+    assert rounds[0] == rounds[1] and [r["round"] for r in rounds[0]] == [0, 1, 2]
+    assert rounds[0][2]["num_train_rows"] == 16  # round 2's 8 samples and round 1's, replayed
+    assert rounds[0][1]["tools/call_frequency"] > 0  # sampled by the initial policy, which calls

@@ -147,9 +147,10 @@ class TOPRConfig(VLLMArguments, ActivationCheckpointingName, SFTConfig):
 
         use_vllm, vllm_mode, vllm_server_base_url, vllm_server_host, vllm_server_port, vllm_server_timeout,
         vllm_gpu_memory_utilization, vllm_max_model_length, vllm_tensor_parallel_size, vllm_enable_sleep_mode,
-        vllm_model_impl, behavior_logps_source:
-            Sampling with vLLM, as in TRL's [`~trl.GRPOConfig`], and the source of the behavior log-probs; see
-            [`~trl_topr.generation.arguments.VLLMArguments`]. [`TOPRTrainer`] itself does not sample: it ignores them.
+        vllm_model_impl, behavior_logps_source, max_tool_calling_iterations:
+            Sampling with vLLM and with tools, as in TRL's [`~trl.GRPOConfig`], and the source of the behavior
+            log-probs; see [`~trl_topr.generation.arguments.VLLMArguments`]. [`TOPRTrainer`] itself does not sample:
+            it ignores them.
 
     > [!NOTE]
     > These parameters have default values different from [`~trl.SFTConfig`]:

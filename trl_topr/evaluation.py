@@ -9,6 +9,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from .data import PROMPT, completion_text
 from .generation import GenerationEngine, SamplingSettings, TransformersEngine, prompt_ids
 from .sampling import decode_completions, score_completions
+from .tool_calling import generate_trajectories, prepare_tool_calling
 
 
 def evaluate_policy(
@@ -22,6 +23,8 @@ def evaluate_policy(
     engine: GenerationEngine | None = None,
     progress: bool = True,
     bf16: bool | None = None,
+    tools: list[Callable] | None = None,
+    max_tool_calling_iterations: int | None = None,
 ) -> dict[str, float]:
     """
     Accuracy and validity of a policy's answers, as the TOPR paper reports them: greedy decoding, then
@@ -51,12 +54,19 @@ def evaluate_policy(
         bf16 (`bool`, *optional*):
             Generate under bf16 autocast (transformers, without an `engine`). Defaults to the hardware (see
             [`~trl_topr.precision.bf16_is_faster`]).
+        tools (`list[Callable]`, *optional*):
+            Tools the policy may call, as in [`~trl_topr.sample_completions`]: each answer is then the last turn of
+            a trajectory ([`~trl_topr.tool_calling.generate_trajectories`]).
+        max_tool_calling_iterations (`int`, *optional*):
+            The most rounds of tool calls of a trajectory; `None` for no limit but the length.
 
     Returns:
         `dict[str, float]`: `pass@1_greedy` (greedy accuracy), `pass@1` (mean accuracy of the samples),
         `maj@k` (accuracy of the most frequent valid answer among the k samples), `invalid_rate` (share of samples
         without a final answer), `invalid_rate_greedy`, and two signs of degeneration: `truncated_rate` (share of
-        samples that reach `max_new_tokens` without ending) and `mean_length` (mean sample length in tokens).
+        samples that reach `max_new_tokens` without ending) and `mean_length` (mean sample length in tokens). With
+        `tools`, also `tool_call_rate` and `tool_call_rate_greedy` (tool calls per sample) and `tool_failure_rate`
+        (failed calls per sample); the lengths count the tools' results too.
     """
     settings = sampling or SamplingSettings(num_samples=4, seed=0)
     if engine is None:
@@ -65,7 +75,9 @@ def evaluate_policy(
         engine = TransformersEngine(model, processing_class, bf16=bf16)
     prompts = list(dataset[PROMPT])
     columns = {c: list(dataset[c]) for c in dataset.column_names if c != PROMPT}
-    ids = [prompt_ids(processing_class, p) for p in prompts]
+    if tools:
+        prepare_tool_calling(processing_class, tools, prompts)
+    ids = [prompt_ids(processing_class, p, tools) for p in prompts]
     k = settings.num_samples
 
     def correctness(completions, repeats):
@@ -74,11 +86,26 @@ def evaluate_policy(
         _, per_func = score_completions(prompt_list, completions, {"correct": correct_func}, **repeated)
         return [value > 0 for value in per_func["correct"]]
 
-    greedy = decode_completions(
-        processing_class, prompts, engine.generate(ids, settings.greedy(), progress).completion_ids
-    )
-    sampled_ids = engine.generate(ids, settings, progress).completion_ids
-    sampled = decode_completions(processing_class, prompts, sampled_ids)
+    tool_metrics = {}
+    if tools:
+        runs = [
+            generate_trajectories(
+                engine, processing_class, prompts, ids, s, tools, max_tool_calling_iterations, progress
+            )
+            for s in (settings.greedy(), settings)
+        ]
+        (greedy, sampled), sampled_ids = [run.completions for run in runs], runs[1].completion_ids
+        tool_metrics = {
+            "tool_call_rate": _mean(runs[1].tool_calls),
+            "tool_call_rate_greedy": _mean(runs[0].tool_calls),
+            "tool_failure_rate": _mean(runs[1].tool_failures),
+        }
+    else:
+        greedy = decode_completions(
+            processing_class, prompts, engine.generate(ids, settings.greedy(), progress).completion_ids
+        )
+        sampled_ids = engine.generate(ids, settings, progress).completion_ids
+        sampled = decode_completions(processing_class, prompts, sampled_ids)
     greedy_correct, sampled_correct = correctness(greedy, 1), correctness(sampled, k)
     sampled_answers = [answer_func(completion_text(c)) for c in sampled]
 
@@ -90,20 +117,24 @@ def evaluate_policy(
             winner is not None and next(sampled_correct[j] for j in group if sampled_answers[j] == winner)
         )
 
-    def mean(values):
-        return sum(values) / len(values) if values else 0.0
-
     return {
-        "pass@1_greedy": mean(greedy_correct),
-        "pass@1": mean(sampled_correct),
-        f"maj@{k}": mean(majority_correct),
-        "invalid_rate": mean([answer is None for answer in sampled_answers]),
-        "invalid_rate_greedy": mean([answer_func(completion_text(c)) is None for c in greedy]),
-        "truncated_rate": mean(
+        "pass@1_greedy": _mean(greedy_correct),
+        "pass@1": _mean(sampled_correct),
+        f"maj@{k}": _mean(majority_correct),
+        "invalid_rate": _mean([answer is None for answer in sampled_answers]),
+        "invalid_rate_greedy": _mean([answer_func(completion_text(c)) is None for c in greedy]),
+        "truncated_rate": _mean(
             [len(sample) >= settings.max_new_tokens and sample[-1] not in engine.eos_ids for sample in sampled_ids]
         ),
-        "mean_length": mean([len(sample) for sample in sampled_ids]),
+        "mean_length": _mean([len(sample) for sample in sampled_ids]),
+        **tool_metrics,
     }
+
+
+def _mean(values) -> float:
+    """The mean of `values`, 0 for none."""
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0
 
 
 def weighted_vote(answers: Sequence[str | None], weights: Sequence[float] | None = None) -> str | None:

@@ -35,7 +35,16 @@ from .replay import (
     replayed_rounds,
     with_replayed_rows,
 )
-from .sampling import RewardFuncs, behavior_logps_mismatch, checked_prompt_ids, reward_functions, sample_completions
+from .sampling import (
+    TOOL_CALL_COUNT,
+    TOOL_FAILURE_COUNT,
+    RewardFuncs,
+    behavior_logps_mismatch,
+    checked_prompt_ids,
+    reward_functions,
+    sample_completions,
+)
+from .tool_calling import prepare_tool_calling
 from .trainer import TOPRTrainer
 
 
@@ -149,6 +158,7 @@ def run_topr_loop(
     engine: GenerationEngine | None = None,
     replay_rounds: int = 0,
     callbacks: list[LoopCallback] | None = None,
+    tools: list[Callable] | None = None,
 ) -> list[dict[str, Any]]:
     """
     Iterative TOPR, as in the paper: each round samples with the current model (mu = that model), scores, curates,
@@ -221,6 +231,12 @@ def run_topr_loop(
         callbacks (`list[LoopCallback]`, *optional*):
             Hooks called at the start of each round, when its trainer is built and when its line is recorded (see
             [`LoopCallback`]).
+        tools (`list[Callable]`, *optional*):
+            Tools the policy may call while it samples and while it is evaluated, as TRL's GRPO trainer takes them
+            (see [`sample_completions`]), up to `args.max_tool_calling_iterations` rounds of calls per trajectory.
+            Only the tokens the policy generated are trained (the trajectories' `tool_mask`, kept by replay); each
+            round records `tools/call_frequency` and `tools/failure_frequency` (calls and failed calls per sample), and
+            the evaluation its `tool_call_rate`.
 
     Returns:
         `list[dict[str, Any]]`: the metrics of every completed round, round 0 included.
@@ -246,7 +262,10 @@ def run_topr_loop(
     )
     _check_prompts_and_rewards(train_prompts, eval_prompts, reward_funcs, reward_weights, correct_func, answer_func)
     processing_class = processing_class or AutoTokenizer.from_pretrained(model)
-    checked_prompt_ids(processing_class, list(train_prompts[PROMPT]), args.max_length, "train prompts")
+    if tools:
+        for prompts in [train_prompts, *_named(eval_prompts).values()]:
+            prepare_tool_calling(processing_class, tools, list(prompts[PROMPT]))
+    checked_prompt_ids(processing_class, list(train_prompts[PROMPT]), args.max_length, "train prompts", tools)
     models = _RoundModels(model, args, processing_class, peft_config, quantization_config)
     log = _RoundLog(args.output_dir, callbacks or [])
     log.check_resumable(num_rounds, replay_rounds)  # before anything is written
@@ -266,6 +285,8 @@ def run_topr_loop(
                 eval_sampling,
                 engine=engine,
                 progress=progress,
+                tools=tools,
+                max_tool_calling_iterations=args.max_tool_calling_iterations,
             )
             metrics.update({f"{name}/{key}" if name else key: value for key, value in values.items()})
         return metrics
@@ -293,6 +314,7 @@ def run_topr_loop(
                 engine=engine,
                 progress=progress,
                 sampling=sampling.replace(seed=args.seed + round_index),
+                tools=tools,
             )
             log.save_samples(samples, round_dir)
             own = curate(samples) if curate is not None else samples
@@ -452,6 +474,17 @@ def _round_metrics(
         "num_train_rows": len(train_data),
         "train_loss": train_loss,
         **behavior_logps_mismatch(samples),
+        **_tool_frequencies(samples),
+    }
+
+
+def _tool_frequencies(samples: Dataset) -> dict[str, float]:
+    # TRL GRPO's names: tool calls and failed calls per sample (with tools)
+    if TOOL_CALL_COUNT not in samples.column_names:
+        return {}
+    return {
+        "tools/call_frequency": sum(samples[TOOL_CALL_COUNT]) / len(samples),
+        "tools/failure_frequency": sum(samples[TOOL_FAILURE_COUNT]) / len(samples),
     }
 
 

@@ -22,7 +22,9 @@ SAMPLE_ROUND = "sample_round"
 REPLAYED_COLUMNS = (PROMPT_IDS, COMPLETION_IDS, BEHAVIOR_LOGPS, REWARD, SAMPLE_ROUND)
 
 
-def read_train_rows(output_dir: Path, round_index: int, recorded_rows: int | None = None) -> list[dict]:
+def read_train_rows(
+    output_dir: Path, round_index: int, recorded_rows: int | None = None, columns: tuple = REPLAYED_COLUMNS
+) -> list[dict]:
     """
     The training rows a round saved (`round-<r>/train.jsonl`), checked line by line: what replay trains again.
 
@@ -34,6 +36,8 @@ def read_train_rows(output_dir: Path, round_index: int, recorded_rows: int | Non
         recorded_rows (`int`, *optional*):
             How many rows the round recorded (`num_new_train_rows` of its line in `metrics.jsonl`): fewer lines
             means the file was cut at a line's end.
+        columns (`tuple`, *optional*, defaults to `REPLAYED_COLUMNS`):
+            The columns every row must have (with tools, also `tool_mask`).
 
     Returns:
         `list[dict]`: the rows, in order.
@@ -60,11 +64,9 @@ def read_train_rows(output_dir: Path, round_index: int, recorded_rows: int | Non
             raise TOPRDataError(
                 f"{path}, line {number}: not a JSON row ({error}); the file was cut or damaged. {recovery}"
             ) from error
-        missing = [c for c in REPLAYED_COLUMNS if not isinstance(row, dict) or c not in row]
+        missing = [c for c in columns if not isinstance(row, dict) or row.get(c) is None]
         if missing:
-            raise TOPRDataError(
-                f"{path}, line {number}: no {missing} (replay needs {list(REPLAYED_COLUMNS)}). {recovery}"
-            )
+            raise TOPRDataError(f"{path}, line {number}: no {missing} (replay needs {list(columns)}). {recovery}")
         rows.append(row)
     if recorded_rows is not None and len(rows) != recorded_rows:
         raise TOPRDataError(
@@ -115,8 +117,10 @@ def with_replayed_rows(
         [`~datasets.Dataset`]: the rows to train on.
     """
     earlier = []
+    # trajectories sampled with tools are replayed with their tool mask: the policy's tokens only
+    columns = REPLAYED_COLUMNS + ((TOOL_MASK,) if TOOL_MASK in rows.column_names else ())
     for previous in replayed_rounds(round_index, replay_rounds):
-        earlier += read_train_rows(output_dir, previous, (recorded_rows or {}).get(previous))
+        earlier += read_train_rows(output_dir, previous, (recorded_rows or {}).get(previous), columns)
     # one table from all the rows, its types inferred from them all (a column that is empty in one round, e.g. a
     # reward function that returned None for every sample, takes the others' type)
     return Dataset.from_list(rows.to_list() + earlier) if earlier else rows

@@ -27,6 +27,7 @@ from .data import (
     PROMPT,
     PROMPT_IDS,
     REWARD,
+    TOOL_MASK,
     TOPRDataError,
     check_prompts,
 )
@@ -39,11 +40,15 @@ from .generation import (
     text_tokenizer,
 )
 from .logprobs import behavior_logps, completion_row, logps_settings
+from .tool_calling import generate_trajectories, prepare_tool_calling
 
 
 logger = get_logger(__name__)
 
 SAMPLER_LOGPS = "sampler_logps"
+# A trajectory's tool calls and failed calls, with tools
+TOOL_CALL_COUNT, TOOL_FAILURE_COUNT = "tool_call_count", "tool_failure_count"
+TOOL_COLUMNS = (TOOL_MASK, TOOL_CALL_COUNT, TOOL_FAILURE_COUNT)
 # `max_length` of a default training configuration: what prompts are checked against when no `args` is given
 DEFAULT_MAX_LENGTH = SFTConfig.__dataclass_fields__["max_length"].default
 REWARD_COLUMNS_PREFIX = "rewards/"
@@ -264,7 +269,11 @@ def generate_completions(
 
 
 def checked_prompt_ids(
-    processing_class: PreTrainedTokenizerBase, prompts: list, max_length: int | None, dataset_name: str = "prompts"
+    processing_class: PreTrainedTokenizerBase,
+    prompts: list,
+    max_length: int | None,
+    dataset_name: str = "prompts",
+    tools: list | None = None,
 ) -> list[list[int]]:
     """
     The prompts' token ids (see [`~trl_topr.generation.prompt_ids`]), each checked before anything is generated: a
@@ -279,6 +288,8 @@ def checked_prompt_ids(
             The training configuration's `max_length`; `None` checks nothing.
         dataset_name (`str`, *optional*, defaults to `"prompts"`):
             Name used in error messages.
+        tools (`list`, *optional*):
+            Tools the chat template shows the model.
 
     Returns:
         `list[list[int]]`: the token ids of each prompt.
@@ -286,7 +297,7 @@ def checked_prompt_ids(
     Raises:
         [`TOPRDataError`]: naming the row of the first prompt that fills `max_length`.
     """
-    all_ids = [prompt_ids(processing_class, prompt) for prompt in prompts]
+    all_ids = [prompt_ids(processing_class, prompt, tools) for prompt in prompts]
     for row, ids in enumerate(all_ids):
         length = len(ids)
         if max_length is not None and length >= max_length:
@@ -308,6 +319,7 @@ def sample_completions(
     sampling: SamplingSettings | None = None,
     args=None,
     engine: GenerationEngine | None = None,
+    tools: list[Callable] | None = None,
     progress: bool = True,
 ) -> Dataset:
     """
@@ -342,6 +354,13 @@ def sample_completions(
             is built for this call ([`~trl_topr.generation.generation_engine`]) and closed after generating. The
             behavior log-probs come from `args.behavior_logps_source`: recomputed by `model` as the trainer computes
             them (default), or the engine's own (vLLM).
+        tools (`list[Callable]`, *optional*):
+            Tools the policy may call, as TRL's GRPO trainer takes them (functions with type hints and a docstring
+            describing their arguments; conversational prompts, and a chat template that supports tools). Each
+            completion is then a trajectory ([`~trl_topr.tool_calling.generate_trajectories`]): the policy's turns
+            and the tools' results, up to `args.max_tool_calling_iterations` rounds of calls, within
+            `sampling.max_new_tokens` tokens in all. Its `tool_mask` marks the tokens the policy generated, which
+            alone are trained and make up its behavior log-probs; reward functions see the whole trajectory.
         progress (`bool`, *optional*, defaults to `True`):
             Show a progress bar over prompts.
 
@@ -351,8 +370,9 @@ def sample_completions(
         from and generated, which training uses exactly: a completion cut at `max_new_tokens` gets no end token), one
         column `rewards/<name>` per reward function, `sampler_logps` (vLLM's raw log-prob of each completion token,
         with vLLM only), and the prompt's other columns — the [`TOPRTrainer`] data contract, trainable
-        with `args`. An empty completion (the model ended at once) is kept: it is trained on its end-of-sequence
-        token, the decision to stop.
+        with `args`. With `tools`, also `tool_mask`, `tool_call_count` and `tool_failure_count`, and
+        `behavior_logps` has one value per generated token. An empty completion (the model ended at once) is kept:
+        it is trained on its end-of-sequence token, the decision to stop.
 
     Raises:
         [`TOPRDataError`]:
@@ -376,32 +396,46 @@ def sample_completions(
         model = create_model_from_path(model, **(getattr(args, "model_init_kwargs", None) or {}))
     processing_class = processing_class or AutoTokenizer.from_pretrained(model.config._name_or_path)
     prompts = list(dataset[PROMPT])
+    if tools:
+        prepare_tool_calling(processing_class, tools, prompts)
     max_length = args.max_length if args is not None else DEFAULT_MAX_LENGTH
-    all_prompt_ids = checked_prompt_ids(processing_class, prompts, max_length)
+    all_prompt_ids = checked_prompt_ids(processing_class, prompts, max_length, tools=tools)
     engine_of_this_call = engine is None
     engine = engine or generation_engine(model, processing_class, args)
     try:
-        out = engine.generate(all_prompt_ids, sampling, progress=progress)
+        if tools:
+            max_calls = getattr(args, "max_tool_calling_iterations", None)
+            out = generate_trajectories(
+                engine, processing_class, prompts, all_prompt_ids, sampling, tools, max_calls, progress
+            )
+        else:
+            out = engine.generate(all_prompt_ids, sampling, progress=progress)
     finally:
         if engine_of_this_call:
             engine.close()  # a vLLM engine's memory back before the behavior forward
     logger.info(f"Sampled {len(out.completion_ids)} completions at {out.tokens_per_s:.1f} tokens/s.")
     rows = [i for i in range(len(dataset)) for _ in range(sampling.num_samples)]
+    completions = out.completions if tools else decode_completions(processing_class, prompts, out.completion_ids)
     samples = _scored_samples(
         dataset.select(rows),
-        decode_completions(processing_class, prompts, out.completion_ids),
+        completions,
         out.completion_ids,
         [all_prompt_ids[row] for row in rows],
         reward_funcs,
         reward_weights,
     )
+    masks = [None] * len(samples)
+    if tools:
+        masks = out.tool_mask
+        samples = samples.add_column(TOOL_MASK, out.tool_mask)
+        samples = samples.add_column(TOOL_CALL_COUNT, out.tool_calls).add_column(TOOL_FAILURE_COUNT, out.tool_failures)
     if out.logprobs is not None:
         samples = samples.add_column(SAMPLER_LOGPS, out.logprobs)
     if getattr(args, "behavior_logps_source", "trainer") == "sampler":
         if out.logprobs is None or any(v is None for row in out.logprobs for v in row):
             raise ValueError("`behavior_logps_source='sampler'` needs vLLM's log-prob of every sampled token.")
         return samples.add_column(BEHAVIOR_LOGPS, out.logprobs)
-    rows = [completion_row(p, c) for p, c in zip(samples[PROMPT_IDS], out.completion_ids, strict=True)]
+    rows = [completion_row(*row) for row in zip(samples[PROMPT_IDS], out.completion_ids, masks, strict=True)]
     # as the trainer of these samples will compute log pi
     settings = logps_settings(args, processing_class, model.device, batch_size=sampling.batch_size)
     samples = samples.add_column(BEHAVIOR_LOGPS, behavior_logps(model, rows, settings))
@@ -421,7 +455,7 @@ def _scored_samples(samples, completions, completion_ids, row_prompt_ids, reward
     replaced = [
         c
         for c in samples.column_names
-        if c in (PROMPT, COMPLETION, REWARD, BEHAVIOR_LOGPS, PROMPT_IDS, COMPLETION_IDS, SAMPLER_LOGPS)
+        if c in (PROMPT, COMPLETION, REWARD, BEHAVIOR_LOGPS, PROMPT_IDS, COMPLETION_IDS, SAMPLER_LOGPS, *TOOL_COLUMNS)
         or c.startswith(REWARD_COLUMNS_PREFIX)
     ]
     others = {c: list(samples[c]) for c in samples.column_names if c not in replaced}

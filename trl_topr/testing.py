@@ -80,6 +80,66 @@ def build_tiny_model(folder: str, seed: int = 0, hidden_size: int = 32, chat_tem
     return folder
 
 
+def build_tool_policy(
+    folder: str, tokenizer_path: str, prompt: list[dict], completion: list[dict], tools: list, steps: int = 150
+) -> str:
+    """
+    Save to `folder` a tiny Llama (2 layers, width 128, head size 64: also loadable by vLLM's CPU build) that has
+    learned one tool-calling trajectory by heart, and its tokenizer: greedy decoding from `prompt` (rendered with
+    `tools`) says `completion`'s first assistant turn, and after the tools' results, the next one. A policy that calls
+    tools, to sample with tools in the loop without a download.
+
+    Args:
+        folder (`str`):
+            Where to save them.
+        tokenizer_path (`str`):
+            The tokenizer to use, with a chat template that renders tools (e.g. [`build_tiny_model`]'s with
+            `chat_template=trl.chat_template_utils.qwen2_5_chat_template`).
+        prompt (`list[dict]`):
+            The prompt's messages.
+        completion (`list[dict]`):
+            The trajectory: assistant turns (with TRL's `tool_calls`) and tool results.
+        tools (`list`):
+            The tools (functions), as the sampler will show them.
+        steps (`int`, *optional*, defaults to `150`):
+            Adam steps on the trajectory's policy tokens.
+
+    Returns:
+        `str`: `folder`.
+    """
+    from transformers import AutoTokenizer
+
+    from .trajectories import trajectory_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    row = trajectory_ids(tokenizer, prompt, completion, tools)
+    ids = torch.tensor([row["prompt_ids"] + row["completion_ids"]])
+    trained = [token if bit else -100 for token, bit in zip(row["completion_ids"], row["tool_mask"])]
+    labels = torch.tensor([[-100] * len(row["prompt_ids"]) + trained])
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=max(2048, 2 * ids.size(1)),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    model = LlamaForCausalLM(config)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(steps):
+        model(ids, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 # The shipped configuration file of each engine in `recipes/accelerate/`
 ACCELERATE_CONFIG_FILES = {"ddp": "multi_gpu.yaml", "fsdp2": "fsdp.yaml", "zero2": "zero2.yaml", "zero3": "zero3.yaml"}
 

@@ -27,6 +27,23 @@ def row_tools(tools: Any) -> list | None:
     return json.loads(tools) if isinstance(tools, str) else tools
 
 
+def render(processing_class, messages: list[dict], tools: list | None = None, generation_prompt: bool = False) -> str:
+    """The text of a conversation, as the chat template renders it (with the tools' schemas, and the generation prompt
+    when asked)."""
+    return processing_class.apply_chat_template(
+        messages, tools=tools or None, add_generation_prompt=generation_prompt, tokenize=False
+    )
+
+
+def _not_prefix_preserving(index: int) -> TrajectoryError:
+    return TrajectoryError(
+        f"the chat template renders the conversation up to message {index} of the completion differently once the "
+        "rest follows (it is not prefix-preserving), so the policy's text cannot be told from the rest. Use a "
+        "template that renders earlier turns the same way (TRL's `get_training_chat_template` gives one for many "
+        "models), or give the trajectory as token ids with a `tool_mask`."
+    )
+
+
 def trajectory_ids(processing_class, prompt: list[dict], completion: list[dict], tools: list | None = None) -> dict:
     """
     The token ids of a conversational prompt and completion, and which completion tokens the policy produced: what a
@@ -59,28 +76,20 @@ def trajectory_ids(processing_class, prompt: list[dict], completion: list[dict],
         (it is not prefix-preserving: the policy's text cannot be located), or drops an assistant's tool calls.
     """
     tokenizer = text_tokenizer(processing_class)
+    full = render(processing_class, prompt + completion, tools)
 
-    def render(messages: list[dict], generation_prompt: bool) -> str:
-        text = processing_class.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False
-        )
+    def length(messages: list[dict], generation_prompt: bool) -> int:
+        text = render(processing_class, messages, tools, generation_prompt)
         if not full.startswith(text):
-            raise TrajectoryError(
-                f"the chat template renders the conversation up to message {len(messages) - len(prompt)} of the "
-                "completion differently once the rest follows (it is not prefix-preserving), so the policy's text "
-                "cannot be told from the rest. Use a template that renders earlier turns the same way (TRL's "
-                "`get_training_chat_template` gives one for many models), or give the trajectory as token ids with a "
-                "`tool_mask`."
-            )
-        return text
+            raise _not_prefix_preserving(len(messages) - len(prompt))
+        return len(text)
 
-    full = processing_class.apply_chat_template(prompt + completion, tools=tools, tokenize=False)
-    cuts = [len(render(prompt, generation_prompt=completion[0]["role"] == "assistant"))]
+    cuts = [length(prompt, generation_prompt=completion[0]["role"] == "assistant")]
     for index, message in enumerate(completion):
         if message["role"] != "assistant":
             continue
-        start = len(render(prompt + completion[:index], generation_prompt=True))
-        end = len(render(prompt + completion[: index + 1], generation_prompt=False))
+        start = length(prompt + completion[:index], generation_prompt=True)
+        end = length(prompt + completion[: index + 1], generation_prompt=False)
         stop = full.find(tokenizer.eos_token, start, end) if tokenizer.eos_token else -1
         end = stop + len(tokenizer.eos_token) if stop >= 0 else end
         for call in message.get("tool_calls") or []:
@@ -105,6 +114,43 @@ def trajectory_ids(processing_class, prompt: list[dict], completion: list[dict],
         tool_mask += [number % 2] * len(ids)
     prompt_ids = tokenizer(full[: cuts[0]], add_special_tokens=False)["input_ids"]
     return {PROMPT_IDS: prompt_ids, COMPLETION_IDS: completion_ids, TOOL_MASK: tool_mask}
+
+
+def tool_suffix_ids(
+    processing_class, prompt: list[dict], completion: list[dict], tool_messages: list[dict], tools: list | None = None
+) -> list[int]:
+    """
+    The token ids that follow the policy's end-of-turn token once tools have answered its calls: the template's text
+    around the tool results, the results, and the next generation prompt. What a sampler appends, with mask 0,
+    before the policy goes on; the same text [`trajectory_ids`] finds between the turns.
+
+    Args:
+        processing_class ([`~transformers.PreTrainedTokenizerBase`] or [`~transformers.ProcessorMixin`]):
+            The tokenizer.
+        prompt (`list[dict]`):
+            The prompt's messages.
+        completion (`list[dict]`):
+            The trajectory so far, ending on the assistant turn that called the tools.
+        tool_messages (`list[dict]`):
+            The tools' results (`{"role": "tool", "name": ..., "content": ...}`).
+        tools (`list`, *optional*):
+            The tools, as `apply_chat_template` takes them.
+
+    Returns:
+        `list[int]`: the ids.
+
+    Raises:
+        [`TrajectoryError`]: when the template is not prefix-preserving.
+    """
+    tokenizer = text_tokenizer(processing_class)
+    before = render(processing_class, prompt + completion, tools)
+    after = render(processing_class, prompt + completion + tool_messages, tools, generation_prompt=True)
+    start = len(render(processing_class, prompt + completion[:-1], tools, generation_prompt=True))
+    stop = before.rfind(tokenizer.eos_token, start) if tokenizer.eos_token else -1
+    cut = stop + len(tokenizer.eos_token) if stop >= 0 else len(before)
+    if not after.startswith(before[:cut]):
+        raise _not_prefix_preserving(len(completion))
+    return tokenizer(after[cut:], add_special_tokens=False)["input_ids"]
 
 
 def with_trajectory_ids(dataset: Dataset, processing_class, dataset_name: str = "train") -> Dataset:

@@ -72,6 +72,10 @@ class VLLMArguments:
             returns any, are compared with them (logged as `behavior_logps_mismatch_*`). `"sampler"`: vLLM's raw
             log-probs (free, the distribution actually sampled, but computed by other kernels, in the engine's
             precision). See `docs/sampling.md`.
+        max_tool_calling_iterations (`int`, *optional*):
+            TRL GRPO's option, for sampling with `tools` ([`~trl_topr.sample_completions`], the loop): the most
+            tool-calling turns of a trajectory. `None`: no limit; a trajectory ends when the policy answers without
+            calling a tool, or when its length reaches `max_new_tokens`.
     """
 
     use_vllm: bool = _like_grpo("use_vllm")
@@ -101,6 +105,8 @@ class VLLMArguments:
         },
     )
 
+    max_tool_calling_iterations: int | None = _like_grpo("max_tool_calling_iterations")
+
     def check_vllm_arguments(self) -> None:
         """Raise a `ValueError` naming the field when a vLLM option has an unknown value."""
         if self.vllm_mode not in ("colocate", "server"):
@@ -111,6 +117,8 @@ class VLLMArguments:
             )
         if self.behavior_logps_source == "sampler" and not self.use_vllm:
             raise ValueError("`behavior_logps_source='sampler'` takes vLLM's log-probs: set `use_vllm=True` too.")
+        if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
+            raise ValueError(f"`max_tool_calling_iterations` must be >= 0, got {self.max_tool_calling_iterations}.")
 
 
 def engine_name(args) -> str:

@@ -15,7 +15,7 @@ from .settings import SamplingSettings
 logger = get_logger(__name__)
 
 
-def prompt_ids(processing_class: PreTrainedTokenizerBase, prompt) -> list[int]:
+def prompt_ids(processing_class: PreTrainedTokenizerBase, prompt, tools: list | None = None) -> list[int]:
     """
     The token ids of a prompt as [`~trl_topr.TOPRTrainer`] tokenizes it: text as is, messages with the chat template
     and its generation prompt.
@@ -25,12 +25,14 @@ def prompt_ids(processing_class: PreTrainedTokenizerBase, prompt) -> list[int]:
             The tokenizer.
         prompt (`str` or `list[dict]`):
             A prompt, text or messages.
+        tools (`list`, *optional*):
+            Tools the chat template shows the model (functions or schemas), for messages.
 
     Returns:
         `list[int]`: its token ids.
     """
     if isinstance(prompt, list):
-        return _tokenize(processing_class, prompt, add_generation_prompt=True)["input_ids"]
+        return _tokenize(processing_class, prompt, add_generation_prompt=True, tools=tools or None)["input_ids"]
     return _tokenize(processing_class, prompt)["input_ids"]
 
 

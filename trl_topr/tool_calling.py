@@ -1,0 +1,232 @@
+"""Sampling with tools in the loop, as TRL's GRPO trainer samples (`tools`, `max_tool_calling_iterations`): the
+policy generates a turn; the tool calls TRL's `parse_response` finds in it are run, their results appended, and the
+policy goes on, until it answers without a call or reaches the limit. Each trajectory is recorded as a sampler
+records it: the token ids generated and appended, and TRL's `tool_mask` (1 on the tokens the policy generated, 0 on
+the rest)."""
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+from accelerate import PartialState
+from accelerate.utils import broadcast_object_list
+from transformers import PreTrainedTokenizerBase
+from trl.chat_template_utils import add_response_schema, parse_response, supports_tool_calling
+
+from .generation import GenerationEngine, Generations, SamplingSettings, text_tokenizer
+from .trajectories import TrajectoryError, tool_suffix_ids
+
+
+@dataclasses.dataclass
+class Trajectories:
+    """
+    What [`generate_trajectories`] returns, one entry per trajectory, prompt-major (the samples of prompt 0 first).
+
+    Args:
+        completions (`list[list[dict]]`):
+            Each trajectory's messages: the assistant turns (TRL's parsed `content` / `tool_calls`) and the tool
+            results.
+        completion_ids (`list[list[int]]`):
+            The token ids after the prompt: the generated turns and the template's text with the tool results between
+            them.
+        tool_mask (`list[list[int]]`):
+            One 0 / 1 per completion id: 1 on the tokens the policy generated.
+        logprobs (`list[list[float]]`, *optional*):
+            The engine's log-prob of each generated token (mask 1 only), `None` where the engine has none.
+        tool_calls (`list[int]`):
+            The tool calls each trajectory made.
+        tool_failures (`list[int]`):
+            Those that failed (an unknown tool, or one that raised).
+        tokens_per_s (`float`):
+            Generated tokens per second of wall time.
+    """
+
+    completions: list[list[dict]]
+    completion_ids: list[list[int]]
+    tool_mask: list[list[int]]
+    logprobs: list[list[float]] | None
+    tool_calls: list[int]
+    tool_failures: list[int]
+    tokens_per_s: float
+
+
+def prepare_tool_calling(processing_class: PreTrainedTokenizerBase, tools: list[Callable], prompts: list) -> None:
+    """
+    Check that the chat template can show tools and their results, and give the tokenizer TRL's response parser for
+    its template when it has none ([`~trl.chat_template_utils.add_response_schema`]), as TRL's GRPO trainer does.
+
+    Args:
+        processing_class ([`~transformers.PreTrainedTokenizerBase`]):
+            The tokenizer.
+        tools (`list[Callable]`):
+            The tools: functions with type hints and a docstring describing their arguments (what
+            `apply_chat_template` turns into their schemas).
+        prompts (`list`):
+            The prompts the policy will answer with the tools: lists of messages.
+
+    Raises:
+        `ValueError`: when the prompts are text, when the template cannot render a tool-calling conversation, when
+        TRL knows no parser for it, or when a tool is not a function.
+    """
+    if not all(isinstance(prompt, list) for prompt in prompts):
+        raise ValueError(
+            "Sampling with `tools` needs conversational prompts (lists of messages): the chat template shows the "
+            "tools and their results."
+        )
+    not_functions = [tool for tool in tools if not callable(tool)]
+    if not_functions:
+        raise ValueError(f"`tools` must be functions, got {not_functions[0]!r}.")
+    if not supports_tool_calling(processing_class):
+        raise ValueError(
+            "The chat template cannot render a tool-calling conversation (user -> assistant with tool_calls -> "
+            "tool), so the policy would never see its tools or their results. Use a model whose template supports "
+            "tools, or set one (e.g. `tokenizer.chat_template`)."
+        )
+    tokenizer = text_tokenizer(processing_class)
+    if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
+        add_response_schema(processing_class)
+
+
+def call_tools(tool_calls: list[dict], tools: dict[str, Callable]) -> tuple[list[dict], int]:
+    """
+    Run a turn's tool calls, as TRL's GRPO trainer runs them: each call's function with its arguments; an unknown
+    tool, a call that is not a function call, or a tool that raises gives `{"error": ...}` as its result.
+
+    Args:
+        tool_calls (`list[dict]`):
+            The turn's calls, as TRL's `parse_response` gives them.
+        tools (`dict[str, Callable]`):
+            The tools by name.
+
+    Returns:
+        `tuple[list[dict], int]`: the tool messages (`{"role": "tool", "name": ..., "content": ...}`) and the number
+        of failed calls.
+    """
+    messages, failures = [], 0
+    for call in tool_calls:
+        function = call.get("function", {}) if call.get("type", "function") == "function" else {}
+        name = function.get("name", call.get("name", "unknown"))
+        try:
+            if name not in tools:
+                raise ValueError(f"Tool {name} not found." if function else f"Unsupported tool call: {call!r}")
+            result = tools[name](**(function.get("arguments") or {}))
+        except Exception as error:  # a tool's failure is the policy's outcome, reported back to it
+            failures += 1
+            result = {"error": str(error)}
+        messages.append({"role": "tool", "name": name, "content": str(result)})
+    return messages, failures
+
+
+def generate_trajectories(
+    engine: GenerationEngine,
+    processing_class: PreTrainedTokenizerBase,
+    prompts: list[list[dict]],
+    prompt_ids: list[list[int]],
+    sampling: SamplingSettings,
+    tools: list[Callable],
+    max_tool_calling_iterations: int | None = None,
+    progress: bool = True,
+) -> Trajectories:
+    """
+    Sample `sampling.num_samples` trajectories per prompt with tools in the loop.
+
+    Every trajectory's first turn is generated from its prompt; then, while some turns call tools and fewer than
+    `max_tool_calling_iterations` rounds of calls were made, the calls are run (once, on the main process, their
+    results shared with every process), the template's text around their results is appended
+    ([`~trl_topr.trajectories.tool_suffix_ids`]) and the policy generates its next turn from the whole sequence, one
+    sample each. The whole completion (generated turns and tool results) stays within `sampling.max_new_tokens`: a
+    tool result that would not leave room for a token ends its trajectory before it, and a turn is cut at the limit.
+
+    Args:
+        engine ([`~trl_topr.generation.GenerationEngine`]):
+            The engine (transformers or vLLM).
+        processing_class ([`~transformers.PreTrainedTokenizerBase`]):
+            The tokenizer, with a template that supports tools (see [`prepare_tool_calling`]).
+        prompts (`list[list[dict]]`):
+            The conversational prompts.
+        prompt_ids (`list[list[int]]`):
+            Their token ids, rendered with the tools.
+        sampling ([`~trl_topr.generation.SamplingSettings`]):
+            How to sample; later turns are sampled one per trajectory, with the same temperature, top-p and top-k.
+        tools (`list[Callable]`):
+            The tools.
+        max_tool_calling_iterations (`int`, *optional*):
+            The most rounds of tool calls; `None` for no limit but the length.
+        progress (`bool`, *optional*, defaults to `True`):
+            Show a progress bar over the first turns.
+
+    Returns:
+        [`Trajectories`]: the trajectories.
+    """
+    tokenizer = text_tokenizer(processing_class)
+    by_name = {tool.__name__: tool for tool in tools}
+    limit = sampling.max_new_tokens
+    start, generated = time.perf_counter(), 0
+
+    first = engine.generate(prompt_ids, sampling, progress)
+    count = len(first.completion_ids)
+    owner = [index * len(prompts) // count for index in range(count)]  # prompt-major
+    ids = [list(c) for c in first.completion_ids]
+    mask = [[1] * len(c) for c in ids]
+    logprobs = [list(values) for values in first.logprobs] if first.logprobs is not None else None
+    generated += sum(map(len, ids))
+    messages = [[_parsed(tokenizer, ids[i], prompt_ids[owner[i]], tools)] for i in range(count)]
+    calls, failures = [0] * count, [0] * count
+    pending = [i for i in range(count) if messages[i][-1].get("tool_calls")]
+    iteration = 0
+    while pending and (max_tool_calling_iterations is None or iteration < max_tool_calling_iterations):
+        iteration += 1
+        # the tools run once, on the main process; every process goes on with the same results
+        results = [[call_tools(messages[i][-1]["tool_calls"], by_name) for i in pending]]
+        if PartialState().num_processes > 1:
+            results = [results[0] if PartialState().is_main_process else None]
+            broadcast_object_list(results, from_process=0)
+        going_on = []
+        for i, (tool_messages, failed) in zip(pending, results[0]):
+            calls[i] += len(tool_messages)
+            failures[i] += failed
+            try:
+                suffix = tool_suffix_ids(processing_class, prompts[owner[i]], messages[i], tool_messages, tools)
+            except TrajectoryError as error:
+                raise ValueError(f"Sampling with tools: {error}") from error
+            if len(ids[i]) + len(suffix) >= limit:  # no room left for the policy to read the result and answer
+                continue
+            messages[i] += tool_messages
+            ids[i] += suffix
+            mask[i] += [0] * len(suffix)
+            going_on.append(i)
+        if not going_on:
+            break
+        room = limit - min(len(ids[i]) for i in going_on)
+        seed = None if sampling.seed is None else sampling.seed + 7919 * iteration
+        turn_sampling = sampling.replace(num_samples=1, max_new_tokens=room, seed=seed)
+        turns: Generations = engine.generate(
+            [prompt_ids[owner[i]] + ids[i] for i in going_on], turn_sampling, progress=False
+        )
+        pending = []
+        for n, i in enumerate(going_on):
+            new = turns.completion_ids[n][: limit - len(ids[i])]
+            context = prompt_ids[owner[i]] + ids[i]
+            ids[i] += new
+            mask[i] += [1] * len(new)
+            generated += len(new)
+            if logprobs is not None:
+                logprobs[i] += list(turns.logprobs[n][: len(new)]) if turns.logprobs is not None else [None] * len(new)
+            messages[i].append(_parsed(tokenizer, new, context, tools))
+            if messages[i][-1].get("tool_calls"):
+                pending.append(i)
+    return Trajectories(
+        completions=messages,
+        completion_ids=ids,
+        tool_mask=mask,
+        logprobs=logprobs,
+        tool_calls=calls,
+        tool_failures=failures,
+        tokens_per_s=generated / max(time.perf_counter() - start, 1e-9),
+    )
+
+
+def _parsed(tokenizer, ids: list[int], context: list[int], tools: list[Callable]) -> dict:
+    # TRL's parser: the turn's content and tool calls (plain text when the calls are malformed)
+    message = parse_response(tokenizer, ids, prefix=context, tools=tools)
+    return {key: value for key, value in message.items() if key in ("role", "content", "tool_calls")}
