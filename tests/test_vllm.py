@@ -20,7 +20,7 @@ import urllib.request
 
 import pytest
 import torch
-from conftest import alive, recording_trainer
+from conftest import TOOL_PROMPT, TOOL_TRAJECTORY, alive, multiply, recording_trainer
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -29,6 +29,7 @@ from trl_topr.compat import CHECKPOINTING
 from trl_topr.generation import SamplingSettings, VLLMEngine, prompt_ids
 from trl_topr.rewards import extract_final_answer, gsm8k_reward
 from trl_topr.sampling import generate_completions
+from trl_topr.trajectories import trajectory_ids
 
 
 pytestmark = pytest.mark.vllm
@@ -432,3 +433,38 @@ def test_eval_command_samples_with_vllm(smollm2, tmp_path, monkeypatch):
     assert calls == [3, 3]  # greedy, then the samples: every prompt through vLLM
     assert set(metrics) >= {"pass@1_greedy", "pass@1", "maj@2", "invalid_rate"}
     assert json.loads((tmp_path / "metrics.json").read_text()) == metrics
+
+
+def test_vllm_samples_with_tools_what_transformers_samples(tool_policy, tmp_path):
+    # The tiny policy that learned to call `multiply(7, 8)` and answer from its result, greedy: vLLM's trajectory is
+    # the one the data contract cuts from the same messages (as with transformers, `tests/test_tool_calling.py`).
+    model = AutoModelForCausalLM.from_pretrained(tool_policy, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(tool_policy)
+    args = args_for(tmp_path, vllm_max_model_length=2048)
+    prompts = Dataset.from_dict({"prompt": [TOOL_PROMPT] * 2})
+
+    def answered(prompts, completions, **kwargs):
+        return [1.0 if "56" in c[-1]["content"] else -1.0 for c in completions]
+
+    engine = VLLMEngine.from_config(model, tokenizer, args)
+    try:
+        samples = sample_completions(
+            model,
+            prompts,
+            answered,
+            processing_class=tokenizer,
+            sampling=SamplingSettings(temperature=0.0, max_new_tokens=200),
+            args=args,
+            engine=engine,
+            tools=[multiply],
+            progress=False,
+        )
+    finally:
+        engine.close()
+    expected = trajectory_ids(tokenizer, TOOL_PROMPT, TOOL_TRAJECTORY, [multiply])
+    for row in samples:
+        assert (row["completion_ids"], row["tool_mask"]) == (expected["completion_ids"], expected["tool_mask"])
+        assert (row["tool_call_count"], row["reward"]) == (1, 1.0)
+        # vLLM's log-probs of the generated tokens only, and the trainer's over the same tokens
+        assert len(row["sampler_logps"]) == len(row["behavior_logps"]) == sum(row["tool_mask"])
+        assert abs(sum(row["sampler_logps"]) - sum(row["behavior_logps"])) < MU_TOLERANCE
