@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 import trl
+from conftest import TOOL_PROMPT, multiply
 from datasets import Dataset
 from trl import GRPOConfig
 
+import trl_topr.online
 from trl_topr.online import TOPRGRPOConfig, TOPRGRPOTrainer
 
 
@@ -218,3 +220,42 @@ def test_trl_grpo_script_runs_with_the_class_name_swapped(tiny_model_path, tmp_p
     assert "Training completed" in output
     assert "negative_weight_mean" in output and "log_ratio_mean" in output  # TOPR's metrics: its loss ran
     assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_tool_results_get_no_weight_online(tool_policy, tmp_path, monkeypatch):
+    # TRL's GRPO samples with tools (the tiny policy calls `multiply`); the gradient of TOPR's loss with respect to
+    # each token's log-prob is 0 on the tool's result and the template's text around it, and not on the policy's.
+    seen = []
+    real_loss = trl_topr.online.topr_loss
+
+    def recording_loss(per_token_logps, mask, *args, **kwargs):
+        loss, metrics = real_loss(per_token_logps, mask, *args, **kwargs)
+        (grad,) = torch.autograd.grad(loss, per_token_logps, retain_graph=True)
+        seen.append(grad)
+        return loss, metrics
+
+    monkeypatch.setattr(trl_topr.online, "topr_loss", recording_loss)
+    real_compute = TOPRGRPOTrainer._compute_loss
+    batches = []
+
+    def recording_compute(self, model, inputs):
+        batches.append({name: inputs[name] for name in ("completion_mask", "tool_mask") if name in inputs})
+        return real_compute(self, model, inputs)
+
+    monkeypatch.setattr(TOPRGRPOTrainer, "_compute_loss", recording_compute)
+    args = grpo_args(tmp_path, max_completion_length=200, temperature=0.1, max_steps=1, learning_rate=1e-5)
+    dataset = Dataset.from_dict({"prompt": [TOOL_PROMPT] * 4, "answer": ["56"] * 4})
+
+    def answered(completions, answer, **kwargs):
+        return [1.0 if a in c[-1]["content"] else -1.0 for c, a in zip(completions, answer)]
+
+    trainer = TOPRGRPOTrainer(tool_policy, reward_funcs=answered, args=args, train_dataset=dataset, tools=[multiply])
+    trainer.train()
+    assert batches and all("tool_mask" in batch for batch in batches)
+    tool_tokens = policy_tokens = 0
+    for batch, grad in zip(batches, seen):
+        tool = batch["completion_mask"].bool() & ~batch["tool_mask"].bool()
+        policy = batch["completion_mask"].bool() & batch["tool_mask"].bool()
+        assert torch.all(grad[tool] == 0)
+        tool_tokens, policy_tokens = tool_tokens + int(tool.sum()), policy_tokens + int((grad[policy] != 0).sum())
+    assert tool_tokens > 0 and policy_tokens > 0  # the policy called the tool, and its own tokens were weighted
