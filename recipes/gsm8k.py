@@ -53,6 +53,7 @@ from common import (
     refuse_publishing_nothing,
     show_progress,
     solution_text,
+    with_tool_template,
 )
 from transformers import AutoTokenizer
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
@@ -69,6 +70,7 @@ from trl_topr.embedded import smollm2_path
 from trl_topr.generation import SamplingSettings
 from trl_topr.precision import device_type
 from trl_topr.scripts.utils import set_model_init_kwargs
+from trl_topr.tasks import calculator
 from trl_topr.trainer import base_model_name
 
 
@@ -109,6 +111,15 @@ class GSM8KArguments:
     max_new_tokens: int = field(default=512, metadata={"help": "Maximum solution length (the paper: 512)."})
     sampling_batch_size: int = field(default=16, metadata={"help": "Questions per generation batch."})
     eval_num_samples: int = field(default=16, metadata={"help": "k of maj@k and of the sampled pass@1."})
+    tools: str = field(
+        default="none",
+        metadata={
+            "help": "'calculator': the policy may call a calculator while it samples and is evaluated (TRL's tool "
+            "calling; the worked examples show it called; a ChatML template without tools, as SmolLM2's, gets "
+            "TRL's Qwen2.5 ChatML template). Only the policy's tokens are trained, not the tool's results.",
+            "choices": ["none", "calculator"],
+        },
+    )
     curation: str = field(
         default="none",
         metadata={
@@ -139,23 +150,28 @@ def main(script_args: GSM8KArguments, training_args: TOPRConfig, model_args: Mod
         max_new_tokens=script_args.max_new_tokens,
         batch_size=script_args.sampling_batch_size,
     )
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tools = [calculator] if script_args.tools == "calculator" else None
+    if tools:
+        tokenizer = with_tool_template(tokenizer)
     rounds = run_topr_loop(
         model,
-        few_shot_prompts(train_problems, shots),
+        few_shot_prompts(train_problems, shots, tools=bool(tools)),
         {"correct": gsm8k_reward, "invalid": gsm8k_invalid},
         training_args,
         num_rounds=script_args.num_rounds,
         replay_rounds=script_args.replay_rounds,
         reward_weights=[1.0, 0.0],  # `invalid` is a column, not part of the reward (invalid outputs score -1 anyway)
-        eval_prompts=few_shot_prompts(test_problems, shots),
+        eval_prompts=few_shot_prompts(test_problems, shots, tools=bool(tools)),
         correct_func=gsm8k_reward,
         answer_func=extract_final_answer,
         curate=anna_karenina if script_args.curation == "anna_karenina" else None,
-        processing_class=AutoTokenizer.from_pretrained(model),
+        processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
         quantization_config=get_quantization_config(model_args),
         sampling=sampling,
         eval_sampling=sampling.replace(num_samples=script_args.eval_num_samples, seed=training_args.seed),
+        tools=tools,
     )
     if training_args.process_index == 0:
         print(f"\nGSM8K ({script_args.task}) evaluation, round 0 = before training:\n\n{evaluation_table(rounds)}\n")
@@ -189,6 +205,7 @@ def summary(
         (f"pass@1, {script_args.eval_num_samples} samples", "pass@1"),
         (f"maj@{script_args.eval_num_samples}", f"maj@{script_args.eval_num_samples}"),
         ("invalid rate", "invalid_rate"),
+        *([("tool calls per sample", "tool_call_rate")] if "tool_call_rate" in first else []),
     ]
     minutes, seconds = divmod(round(time.monotonic() - START), 60)
     output = Path(training_args.output_dir)

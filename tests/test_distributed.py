@@ -178,7 +178,7 @@ TOOL_WORKER = textwrap.dedent(
     from conftest import TOOL_PROMPT, end_processes, make_args, multiply
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl_topr import run_topr_loop, sample_completions
+    from trl_topr import TOPRTrainer, run_topr_loop, sample_completions
     from trl_topr.generation import SamplingSettings
 
     def multiply_here(a: int, b: int) -> int:
@@ -203,9 +203,20 @@ TOOL_WORKER = textwrap.dedent(
     samples = sample_completions(AutoModelForCausalLM.from_pretrained(path), prompts, correct, args=args,
                                  processing_class=AutoTokenizer.from_pretrained(path), tools=[multiply_here],
                                  sampling=SamplingSettings(temperature=0.0, max_new_tokens=200), progress=False)
-    columns = ["completion", "completion_ids", "tool_mask", "tool_call_count"]
+    columns = ["completion", "completion_ids", "tool_mask", "tool_call_count", "behavior_logps"]
     with open(f"{{out}}/samples-rank{{rank}}.json", "w") as f:
         json.dump(samples.select_columns(columns).to_list(), f)
+    # the trainer on 2 processes: its precompute of mu, and the ratio with mu = pi - 0.5 on the generated tokens
+    unscored = samples.remove_columns("behavior_logps")
+    precomputed = TOPRTrainer(path, args=args, train_dataset=unscored).train_dataset
+    by_ids = {{tuple(r["input_ids"]): r["behavior_logps"] for r in precomputed}}
+    shifted = samples.remove_columns("behavior_logps").add_column(
+        "behavior_logps", [sum(v) - 0.5 for v in samples["behavior_logps"]])
+    ratio = TOPRTrainer(path, args=args, train_dataset=shifted, eval_dataset=shifted).evaluate()
+    with open(f"{{out}}/trainer-rank{{rank}}.json", "w") as f:
+        ids = zip(samples["prompt_ids"], samples["completion_ids"])
+        json.dump({{"precomputed": [by_ids[tuple(p + c)] for p, c in ids],
+                   "log_ratio_mean": ratio["eval_log_ratio_mean"], "log_ratio_min": ratio["eval_log_ratio_min"]}}, f)
     rounds = run_topr_loop(path, prompts, correct, args, num_rounds=2, replay_rounds=1, tools=[multiply],
                            sampling=SamplingSettings(num_samples=2, max_new_tokens=200), progress=False)
     with open(f"{{out}}/rounds-rank{{rank}}.json", "w") as f:
@@ -233,6 +244,14 @@ def test_tools_run_once_and_the_loop_replays_trajectories_under_two_processes(to
     assert samples[0] == samples[1] and len(samples[0]) == 4
     assert all(s["tool_call_count"] == 1 and s["completion"][1]["content"] == "56" for s in samples[0])
     assert all(0 < sum(s["tool_mask"]) < len(s["completion_ids"]) for s in samples[0])
+    # the trainer on 2 processes counts the generated tokens only: its mu is the sampler's, token for token, and
+    # with mu = pi - 0.5 over them every sequence's log-ratio is 0.5
+    for rank in (0, 1):
+        trainer = json.loads((tmp_path / f"trainer-rank{rank}.json").read_text())
+        for computed, sampled in zip(trainer["precomputed"], samples[0]):
+            assert len(computed) == len(sampled["behavior_logps"]) == sum(sampled["tool_mask"])
+            assert max(abs(a - b) for a, b in zip(computed, sampled["behavior_logps"])) < 1e-4
+        assert abs(trainer["log_ratio_mean"] - 0.5) < 1e-3 and abs(trainer["log_ratio_min"] - 0.5) < 1e-3
     rounds = [json.loads((tmp_path / f"rounds-rank{r}.json").read_text()) for r in (0, 1)]
     assert rounds[0] == rounds[1] and [r["round"] for r in rounds[0]] == [0, 1, 2]
     assert rounds[0][2]["num_train_rows"] == 16  # round 2's 8 samples and round 1's, replayed

@@ -95,6 +95,33 @@ def test_arithmetic_round_evaluates_before_and_after(tiny_model_path, tmp_path, 
     assert "GSM8K evaluation per round" in card and "2503.14286" in card
 
 
+def test_calculator_flag_offers_the_tool_and_trains_trajectories(tiny_model_path, tmp_path):
+    run = tiny_run(tiny_model_path, tmp_path / "out", tools="calculator", max_new_tokens=12, max_length=2048)
+    rounds = gsm8k.main(*run)  # (the tiny tokenizer spells the tools' schema in many tokens)
+    # the evaluation and the round report how often the (untrained, random) policy called it
+    assert "tool_call_rate" in rounds[0] and "tool_call_rate" in rounds[1] and "tools/call_frequency" in rounds[1]
+    sample = json.loads((tmp_path / "out" / "round-1" / "samples.jsonl").read_text().splitlines()[0])
+    assert len(sample["tool_mask"]) == len(sample["completion_ids"])
+    # the worked example calls the calculator and reads its result before it answers
+    roles = [(m["role"], bool(m.get("tool_calls"))) for m in sample["prompt"]]
+    assert roles[2:5] == [("assistant", True), ("tool", False), ("assistant", False)]
+
+
+def test_calculator_evaluates_arithmetic_only():
+    from trl_topr.tasks import calculator
+
+    assert [calculator(e) for e in ("7 * 8", "48 / 2", "(3 + 4) * 2 - 1", "10 / 4", "-3 * 2")] == [
+        "56",
+        "24",
+        "13",
+        "2.5",
+        "-6",
+    ]
+    for bad in ('__import__("os").system("ls")', "2 ** 99999999", "x + 1", "[1] * 3"):
+        with pytest.raises(ValueError, match="not an arithmetic expression"):
+            calculator(bad)
+
+
 def test_num_rounds_0_evaluates_and_exits_cleanly(tiny_model_path, tmp_path, capsys):
     # Evaluation only: round 0's line, no round folder, no model card; the summary says nothing was trained
     rounds = gsm8k.main(*tiny_run(tiny_model_path, tmp_path / "out", num_rounds=0))
