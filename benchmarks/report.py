@@ -521,6 +521,26 @@ def embedded_same_as_fp32(folder: str) -> str:
     return f"numbers that differ from the float32 run's: see `benchmarks/results/{folder}/`"
 
 
+def calculator_table(off: str = "embedded", on: str = "embedded-calculator") -> str:
+    """The embedded default without and with the calculator tool, before and after its round."""
+    rounds = {name: embedded_rounds(folder) for name, folder in (("without", off), ("with", on))}
+    keys = [
+        ("pass@1_greedy", "greedy pass@1"),
+        ("pass@1", "sampled pass@1"),
+        ("maj@4", "maj@4"),
+        ("invalid_rate", "invalid rate"),
+        ("tool_call_rate_greedy", "tool calls per greedy answer"),
+        ("tool_call_rate", "tool calls per sample"),
+    ]
+    columns = [(name, index) for name in rounds for index in (0, -1)]
+    headers = [f"{name} the tool, {'before' if i == 0 else 'after 1 round'}" for name, i in columns]
+    out = ["| | " + " | ".join(headers) + " |", "|---|" + "---|" * len(columns)]
+    for key, label in keys:
+        cells = [rounds[name][i].get(key) for name, i in columns]
+        out.append(f"| {label} | " + " | ".join("" if v is None else f"{v:.3f}" for v in cells) + " |")
+    return "\n".join(out)
+
+
 # results folder: the kernels it was measured with (the same CPU, held back by environment variables)
 PRECISION_RUNS = {
     "precision": "as the CPU allows",
@@ -684,6 +704,11 @@ QUOTES: dict[str, tuple] = {
     "embedded.greedy.after": (embedded_metric, "pass@1_greedy", -1),
     "embedded.invalid.before": (embedded_metric, "invalid_rate", 0),
     "embedded.invalid.after": (embedded_metric, "invalid_rate", -1),
+    # the embedded default with a calculator tool
+    "calculator.table": (calculator_table,),
+    "calculator.time": (run_time, "embedded-calculator"),
+    "calculator.machine": (machine, "embedded-calculator"),
+    "calculator.precision": (embedded_precision, "embedded-calculator"),
     # the embedded default in float32, and with the kernels held to AVX2
     "embedded-fp32.time": (run_time, "embedded-fp32"),
     "embedded-avx2.time": (run_time, "embedded-avx2"),
