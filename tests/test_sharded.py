@@ -1,7 +1,7 @@
 """Sharded training on CPU, 2 processes (gloo): DDP, DeepSpeed ZeRO-2 / ZeRO-3 and FSDP2, as configured in
-`recipes/accelerate/`, each checked against one process, on token ids with a tool mask (tool tokens are context):
-behavior log-probs, trained weights, `evaluate` on a raw dataset after training, a cache that must not mix up two
-models, and one round of `run_topr_loop` with an odd number of evaluation prompts.
+`recipes/accelerate/`, each checked against one process: behavior log-probs, trained weights, `evaluate` on a raw
+dataset after training, a cache that must not mix up two models, and one round of `run_topr_loop` with an odd number
+of evaluation prompts.
 
 Only what a 2-process CPU run needs is changed in the shipped configurations: 2 processes, no mixed precision, the
 CPU, and for ZeRO-3 `stage3_param_persistence_threshold: 0` (else a tiny model keeps every parameter gathered and
@@ -20,7 +20,6 @@ import torch
 from conftest import build_tiny_model, make_args
 from datasets import Dataset
 from safetensors.torch import load_file
-from transformers import AutoTokenizer
 
 from trl_topr import TOPRTrainer
 from trl_topr.testing import ACCELERATE_CONFIG_FILES, cpu_launch_config
@@ -44,25 +43,15 @@ def accelerate_config(engine: str, folder: Path) -> Path:
     return cpu_launch_config(RECIPES / ACCELERATE_CONFIG_FILES[engine], folder)
 
 
-def data(model_path: str) -> Dataset:
-    # 12 rows, completions of different lengths, positives and negatives; as token ids with a tool mask, the " Yes."
-    # of some completions standing for a tool's words (mask 0): every engine trains the policy's tokens only
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    rows = []
-    for i in range(12):
-        answer, said = f" The answer is {i + 3 + i % 2}.", " Yes." * (i % 3)
-        policy, tool = tokenizer(answer)["input_ids"], tokenizer(said)["input_ids"] if said else []
-        rows.append(
-            {
-                "prompt": f"What is {i} + 3?",
-                "completion": answer + said,
-                "reward": 1.0 if i % 2 == 0 else -1.0,
-                "prompt_ids": tokenizer(f"What is {i} + 3?")["input_ids"],
-                "completion_ids": policy + tool + [tokenizer.eos_token_id],
-                "tool_mask": [1] * len(policy) + [0] * len(tool) + [1],
-            }
-        )
-    return Dataset.from_list(rows)
+def data() -> Dataset:
+    # 12 rows, completions of different lengths, positives and negatives
+    return Dataset.from_dict(
+        {
+            "prompt": [f"What is {i} + 3?" for i in range(12)],
+            "completion": [f" The answer is {i + 3 + i % 2}." + " Yes." * (i % 3) for i in range(12)],
+            "reward": [1.0 if i % 2 == 0 else -1.0 for i in range(12)],
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +64,7 @@ def models(tmp_path_factory):
 def single_process(models, tmp_path_factory):
     """The reference: one process, the same global batch of 4."""
     folder = tmp_path_factory.mktemp("single")
-    data(models[0]).to_json(str(folder / "data.jsonl"))
+    data().to_json(str(folder / "data.jsonl"))
     trainer = TOPRTrainer(
         models[0],
         args=make_args(folder / "out", max_steps=6, per_device_train_batch_size=4, learning_rate=1e-2),
@@ -87,7 +76,7 @@ def single_process(models, tmp_path_factory):
 
 
 def launch(engine: str, models, folder: Path, lora: bool = False, padding_free: bool = False) -> dict:
-    data(models[0]).to_json(str(folder / "data.jsonl"))
+    data().to_json(str(folder / "data.jsonl"))
     command = [
         sys.executable,
         "-m",
@@ -120,9 +109,6 @@ def check_common(result, single, folder):
     assert result["world"] == 2
     # the same behavior log-probs as one process, and not the other model's (a cache keyed by empty shards would)
     assert_close_lists(result["behavior"], single["behavior"], 1e-4)
-    # one value per policy token: the tool's tokens (mask 0) are not counted
-    policy_tokens = sorted(sum(mask) for mask in Dataset.from_json(str(folder / "data.jsonl"))["tool_mask"])
-    assert sorted(len(values) for values in result["behavior"]) == policy_tokens
     assert max(abs(a - b) for a, b in zip(result["other_behavior"][0], result["behavior"][0])) > 1e-3
     # evaluate() of a raw dataset after training uses the trained weights: every ratio starts at 1
     for name in ("eval_log_ratio_mean", "eval_log_ratio_min", "eval_log_ratio_max"):
