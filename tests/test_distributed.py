@@ -189,7 +189,10 @@ TOOL_WORKER = textwrap.dedent(
             a: The first integer.
             b: The second integer.
         \"\"\"
-        return a * b + 1000 * PartialState().process_index  # differs by process: must run once, and be shared
+        rank = PartialState().process_index
+        with open(f"{{out}}/calls-rank{{rank}}.txt", "a") as f:  # where the tool ran
+            f.write("called\\n")
+        return a * b + 1000 * rank  # differs by process: must run once, and be shared
     multiply_here.__name__ = "multiply"
 
     def correct(prompts, completions, answer, **kwargs):
@@ -242,6 +245,8 @@ def test_tools_run_once_and_the_loop_replays_trajectories_under_two_processes(to
     samples = [json.loads((tmp_path / f"samples-rank{r}.json").read_text()) for r in (0, 1)]
     # every process holds the same trajectories, whose tool results the main process computed once
     assert samples[0] == samples[1] and len(samples[0]) == 4
+    assert len((tmp_path / "calls-rank0.txt").read_text().splitlines()) == 4  # once per call, on the main process
+    assert not (tmp_path / "calls-rank1.txt").exists()
     assert all(s["tool_call_count"] == 1 and s["completion"][1]["content"] == "56" for s in samples[0])
     assert all(0 < sum(s["tool_mask"]) < len(s["completion_ids"]) for s in samples[0])
     # the trainer on 2 processes counts the generated tokens only: its mu is the sampler's, token for token, and

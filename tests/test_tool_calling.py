@@ -14,7 +14,7 @@ from trl_topr import TOPRTrainer, run_topr_loop, sample_completions
 from trl_topr.evaluation import evaluate_policy
 from trl_topr.generation import SamplingSettings
 from trl_topr.loop import read_rounds
-from trl_topr.trajectories import trajectory_ids
+from trl_topr.trajectories import storable, trajectory_ids
 
 
 GREEDY = SamplingSettings(num_samples=1, temperature=0.0, max_new_tokens=200)
@@ -53,7 +53,8 @@ def test_the_sampler_runs_the_call_and_records_what_the_policy_generated(tool_po
         ("tool", "56"),
         ("assistant", "The answer is 56."),
     ]
-    assert row["completion"][0]["tool_calls"] == TRAJECTORY[0]["tool_calls"]
+    assert row["completion"][0]["tool_calls"] == storable(TRAJECTORY)[0]["tool_calls"]  # arguments as JSON text
+    assert json.loads(row["completion"][0]["tool_calls"][0]["function"]["arguments"]) == {"a": 7, "b": 8}
     assert (row["tool_call_count"], row["tool_failure_count"], row["reward"]) == (1, 0, 1.0)
     assert seen[0][1] == {"role": "tool", "name": "multiply", "content": "56"}  # the reward saw the whole trajectory
     # the record is the one the data contract cuts from the messages: the generated turns with mask 1, the tool's
@@ -180,3 +181,18 @@ def test_the_loop_samples_with_tools_replays_and_resumes(tool_policy, tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "loop" / "round-1" / "train.jsonl").read_text().splitlines()]
     assert all(len(r["behavior_logps"]) == sum(r["tool_mask"]) for r in rows)
     assert any(sum(r["tool_mask"]) < len(r["completion_ids"]) for r in rows)  # a tool's result, not trained
+
+
+def test_calls_of_any_arguments_are_stored_in_one_column_and_cut_as_rendered(tool_policy):
+    # A policy's calls differ in their arguments' names and types: stored as JSON text, they fit one Arrow column,
+    # and the trajectory cut from the stored messages is the one cut from the calls as made.
+    tokenizer = AutoTokenizer.from_pretrained(tool_policy)
+    made = [
+        [{**TRAJECTORY[0], "tool_calls": [{"type": "function", "function": {"name": "multiply", "arguments": args}}]}]
+        + TRAJECTORY[1:]
+        for args in ({"a": 7, "b": 8}, {"a": "7", "b": 8.0}, {"x": [1, 2]})
+    ]
+    stored = Dataset.from_dict({"completion": [storable(c) for c in made]})["completion"]
+    for calls, kept in zip(made, stored):
+        cut = trajectory_ids(tokenizer, PROMPT, calls, [multiply])
+        assert trajectory_ids(tokenizer, PROMPT, kept, [multiply]) == cut

@@ -318,3 +318,15 @@ def test_bad_multi_turn_input_raises_before_training(case, tiny_model_path, tool
         TOPRTrainer(model_path, args=make_args(output_dir), train_dataset=make_dataset())
     assert where in str(error.value) and what in str(error.value)
     assert not output_dir.exists() or not any(output_dir.iterdir())
+
+
+def test_a_completion_may_go_on_from_tool_results_that_end_the_prompt(tiny_model_path, tmp_path):
+    # the prompt ends with the assistant's call and a first result; the completion starts with a second result of
+    # that call, then answers: legal, the call came before (ChatML renders each message alone: prefix-preserving)
+    prompt = PROMPT + WORDS[:2]
+    completion = [{"role": "tool", "content": "56"}, WORDS[2]]
+    rows = {"prompt": [prompt] * 2, "completion": [completion] * 2, "reward": [1.0, -1.0]}
+    trainer = TOPRTrainer(tiny_model_path, args=make_args(tmp_path / "out"), train_dataset=Dataset.from_dict(rows))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    row = trainer.train_dataset[0]
+    assert tokenizer.decode([t for t in row["labels"] if t != -100]) == "The answer is 56.<|im_end|>"

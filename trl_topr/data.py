@@ -146,7 +146,8 @@ def _check_turns(prompt: list, completion: list, dataset_name: str, column: str,
             f"the completion has no assistant turn, so no token of the policy to train (roles "
             f"{[m['role'] for m in completion]}). A conversational completion holds what the policy said.",
         )
-    speaker = prompt[-1]["role"] if prompt else None  # who spoke last before the tool messages
+    # who spoke last before the tool messages (tool results at the end of the prompt answer an earlier call)
+    speaker = next((m["role"] for m in reversed(prompt) if m["role"] != "tool"), None)
     for index, message in enumerate(completion):
         if message["role"] == "tool" and speaker != "assistant":
             raise data_error(

@@ -41,6 +41,7 @@ from .generation import (
 )
 from .logprobs import behavior_logps, completion_row, logps_settings
 from .tool_calling import generate_trajectories, prepare_tool_calling
+from .trajectories import storable
 
 
 logger = get_logger(__name__)
@@ -371,7 +372,9 @@ def sample_completions(
         column `rewards/<name>` per reward function, `sampler_logps` (vLLM's raw log-prob of each completion token,
         with vLLM only), and the prompt's other columns — the [`TOPRTrainer`] data contract, trainable
         with `args`. With `tools`, also `tool_mask`, `tool_call_count` and `tool_failure_count`, and
-        `behavior_logps` has one value per generated token. An empty completion (the model ended at once) is kept:
+        `behavior_logps` has one value per generated token; the `completion` column holds each tool call's arguments
+        as JSON text (OpenAI's format: one column type for any tool), reward functions get them parsed. An empty
+        completion (the model ended at once) is kept:
         it is trained on its end-of-sequence token, the decision to stop.
 
     Raises:
@@ -423,6 +426,7 @@ def sample_completions(
         [all_prompt_ids[row] for row in rows],
         reward_funcs,
         reward_weights,
+        stored=[storable(c) for c in completions] if tools else None,  # tool call arguments as JSON text
     )
     masks = [None] * len(samples)
     if tools:
@@ -448,7 +452,9 @@ def sample_completions(
     return samples
 
 
-def _scored_samples(samples, completions, completion_ids, row_prompt_ids, reward_funcs, reward_weights) -> Dataset:
+def _scored_samples(
+    samples, completions, completion_ids, row_prompt_ids, reward_funcs, reward_weights, stored=None
+) -> Dataset:
     # One row per completion: the prompt's columns, the completion, its ids, its rewards (combined and per function).
     # Sampling's own columns in the prompts (a sampled dataset sampled again) are replaced, and not passed to the
     # reward functions; the prompts' other columns stay, whatever the functions are called.
@@ -463,7 +469,7 @@ def _scored_samples(samples, completions, completion_ids, row_prompt_ids, reward
         list(samples[PROMPT]), completions, reward_funcs, reward_weights, completion_ids, **others
     )
     samples = samples.remove_columns([c for c in replaced if c != PROMPT])
-    samples = samples.add_column(COMPLETION, completions).add_column(REWARD, rewards)
+    samples = samples.add_column(COMPLETION, stored or completions).add_column(REWARD, rewards)
     # The ids the model generated from and generated: what training trains on, exactly (no text round trip, no
     # end-of-sequence token added to a completion cut at `max_new_tokens`).
     samples = samples.add_column(PROMPT_IDS, row_prompt_ids).add_column(COMPLETION_IDS, completion_ids)

@@ -70,13 +70,24 @@ def calculator(expression: str) -> str:
         raise ValueError(f"not an arithmetic expression: {expression!r}")
 
     result = value(ast.parse(str(expression), mode="eval").body)
-    return str(int(result)) if float(result).is_integer() else f"{result:.6g}"
+    return str(int(result)) if float(result).is_integer() else f"{result:.15g}"
+
+
+def _is_arithmetic(expression: str) -> bool:
+    try:
+        calculator(expression)
+    except (ValueError, SyntaxError, ArithmeticError):
+        return False
+    return True
 
 
 def _calculator_turns(shot: dict) -> list[dict]:
     # A worked example that calls the calculator on each of its calculations (GSM8K's `<<expression=value>>`
     # annotations, or the embedded tasks' `a op b = value`), reads the results, then answers
     expressions = re.findall(r"<<([^=>]+)=[^>]*>>", shot["answer"]) or [shot["answer"].split("=")[0].strip()]
+    expressions = [e for e in expressions if _is_arithmetic(e)]
+    if not expressions:  # nothing to calculate: the example answers at once
+        return []
     calls = [
         {"type": "function", "function": {"name": "calculator", "arguments": {"expression": e}}} for e in expressions
     ]

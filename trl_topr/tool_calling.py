@@ -66,16 +66,19 @@ def prepare_tool_calling(processing_class: PreTrainedTokenizerBase, tools: list[
 
     Raises:
         `ValueError`: when the prompts are text, when the template cannot render a tool-calling conversation, when
-        TRL knows no parser for it, or when a tool is not a function.
+        TRL knows no parser for it, or when a tool is not a function or two share a name.
     """
     if not all(isinstance(prompt, list) for prompt in prompts):
         raise ValueError(
             "Sampling with `tools` needs conversational prompts (lists of messages): the chat template shows the "
             "tools and their results."
         )
-    not_functions = [tool for tool in tools if not callable(tool)]
+    not_functions = [tool for tool in tools if not callable(tool) or not hasattr(tool, "__name__")]
     if not_functions:
         raise ValueError(f"`tools` must be functions, got {not_functions[0]!r}.")
+    names = [tool.__name__ for tool in tools]
+    if len(set(names)) < len(names):
+        raise ValueError(f"`tools` must have distinct names (the policy calls them by name), got {names}.")
     if not supports_tool_calling(processing_class):
         raise ValueError(
             "The chat template cannot render a tool-calling conversation (user -> assistant with tool_calls -> "
@@ -104,11 +107,13 @@ def call_tools(tool_calls: list[dict], tools: dict[str, Callable]) -> tuple[list
     """
     messages, failures = [], 0
     for call in tool_calls:
-        function = call.get("function", {}) if call.get("type", "function") == "function" else {}
-        name = function.get("name", call.get("name", "unknown"))
+        function = call.get("function") if call.get("type", "function") == "function" else None
+        name = (function or call).get("name") or "unknown"
         try:
+            if not isinstance(function, dict):
+                raise ValueError(f"Unsupported tool call type: {call.get('type')!r}")
             if name not in tools:
-                raise ValueError(f"Tool {name} not found." if function else f"Unsupported tool call: {call!r}")
+                raise ValueError(f"Tool {name} not found.")
             result = tools[name](**(function.get("arguments") or {}))
         except Exception as error:  # a tool's failure is the policy's outcome, reported back to it
             failures += 1
@@ -177,9 +182,11 @@ def generate_trajectories(
     while pending and (max_tool_calling_iterations is None or iteration < max_tool_calling_iterations):
         iteration += 1
         # the tools run once, on the main process; every process goes on with the same results
-        results = [[call_tools(messages[i][-1]["tool_calls"], by_name) for i in pending]]
-        if PartialState().num_processes > 1:
-            results = [results[0] if PartialState().is_main_process else None]
+        state = PartialState()
+        results = [None]
+        if state.is_main_process:
+            results = [[call_tools(messages[i][-1]["tool_calls"], by_name) for i in pending]]
+        if state.num_processes > 1:
             broadcast_object_list(results, from_process=0)
         going_on = []
         for i, (tool_messages, failed) in zip(pending, results[0]):

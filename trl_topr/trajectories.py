@@ -27,9 +27,48 @@ def row_tools(tools: Any) -> list | None:
     return json.loads(tools) if isinstance(tools, str) else tools
 
 
+def storable(messages: list[dict]) -> list[dict]:
+    """
+    Messages whose tool calls hold their arguments as JSON text (OpenAI's format), so that one dataset column holds
+    the calls of any tools, whatever their arguments' names and types (Arrow gives a column one type). [`render`]
+    reads them back.
+
+    Args:
+        messages (`list[dict]`):
+            Messages, with TRL's `tool_calls` (arguments as a dict or as JSON text).
+
+    Returns:
+        `list[dict]`: copies of the messages.
+    """
+    return [_with_arguments(message, lambda a: a if isinstance(a, str) else json.dumps(a)) for message in messages]
+
+
+def _with_arguments(message: dict, convert) -> dict:
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    converted = []
+    for call in calls:
+        function = call.get("function")
+        if isinstance(function, dict) and "arguments" in function:
+            call = {**call, "function": {**function, "arguments": convert(function["arguments"])}}
+        converted.append(call)
+    return {**message, "tool_calls": converted}
+
+
+def _parsed_arguments(arguments):
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
 def render(processing_class, messages: list[dict], tools: list | None = None, generation_prompt: bool = False) -> str:
     """The text of a conversation, as the chat template renders it (with the tools' schemas, and the generation prompt
-    when asked)."""
+    when asked); tool call arguments stored as JSON text ([`storable`]) are rendered as the dicts they hold."""
+    messages = [_with_arguments(message, _parsed_arguments) for message in messages]
     return processing_class.apply_chat_template(
         messages, tools=tools or None, add_generation_prompt=generation_prompt, tokenize=False
     )
