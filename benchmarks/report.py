@@ -521,7 +521,7 @@ def embedded_same_as_fp32(folder: str) -> str:
     return f"numbers that differ from the float32 run's: see `benchmarks/results/{folder}/`"
 
 
-def calculator_table(off: str = "embedded", on: str = "embedded-calculator") -> str:
+def calculator_table(off: str = "embedded-calculator-off", on: str = "embedded-calculator") -> str:
     """The embedded default without and with the calculator tool, before and after its round."""
     rounds = {name: embedded_rounds(folder) for name, folder in (("without", off), ("with", on))}
     keys = [
@@ -709,6 +709,17 @@ QUOTES: dict[str, tuple] = {
     "calculator.time": (run_time, "embedded-calculator"),
     "calculator.machine": (machine, "embedded-calculator"),
     "calculator.precision": (embedded_precision, "embedded-calculator"),
+    "calculator.greedy.off": (embedded_metric, "pass@1_greedy", 0, "embedded-calculator-off"),
+    "calculator.greedy.on": (embedded_metric, "pass@1_greedy", 0, "embedded-calculator"),
+    "calculator.greedy.on.after": (embedded_metric, "pass@1_greedy", -1, "embedded-calculator"),
+    "calculator.sampled.off": (embedded_metric, "pass@1", 0, "embedded-calculator-off"),
+    "calculator.sampled.on": (embedded_metric, "pass@1", 0, "embedded-calculator"),
+    "calculator.sampled.on.after": (embedded_metric, "pass@1", -1, "embedded-calculator"),
+    "calculator.calls.greedy": (embedded_metric, "tool_call_rate_greedy", 0, "embedded-calculator"),
+    "calculator.calls": (embedded_metric, "tool_call_rate", 0, "embedded-calculator"),
+    "calculator.calls.after": (embedded_metric, "tool_call_rate", -1, "embedded-calculator"),
+    "calculator.invalid.on": (embedded_metric, "invalid_rate", 0, "embedded-calculator"),
+    "calculator.invalid.off": (embedded_metric, "invalid_rate", 0, "embedded-calculator-off"),
     # the embedded default in float32, and with the kernels held to AVX2
     "embedded-fp32.time": (run_time, "embedded-fp32"),
     "embedded-avx2.time": (run_time, "embedded-avx2"),

@@ -141,3 +141,13 @@ def test_fast_answers_off_policy():
     assert all(ledger.get("reinforce+replay", 3e-6, seed)["rounds"][-1]["test/pass@1"] < 0.05 for seed in (0, 1))
     assert ledger.get("topr+replay", 1e-3, 0)["validation"]["mean"] > 0.1  # still learns at the grid's top
     assert max(ledger.get("topr_peff0.2+replay", 3e-3, seed)["validation"]["mean"] for seed in (0, 1)) < 0.01
+
+
+def test_calculator_reading():
+    # docs/recipes.md: with the tool, the untrained model called it on most greedy answers, and scored below the same
+    # prompt without it; one round of TOPR on its trajectories did not raise it (one seed: read as an anecdote)
+    on, off = report.embedded_rounds("embedded-calculator"), report.embedded_rounds("embedded-calculator-off")
+    assert on[0]["tool_call_rate_greedy"] > 0.9 and on[0]["tool_call_rate"] > 0
+    assert on[0]["pass@1_greedy"] < off[0]["pass@1_greedy"] and on[0]["pass@1"] < off[0]["pass@1"]
+    assert on[-1]["round"] == 1 and on[-1]["pass@1_greedy"] < on[0]["pass@1_greedy"]
+    assert on[-1]["pass@1"] < on[0]["pass@1"]
