@@ -709,6 +709,8 @@ QUOTES: dict[str, tuple] = {
     "calculator.time": (run_time, "embedded-calculator"),
     "calculator.machine": (machine, "embedded-calculator"),
     "calculator.precision": (embedded_precision, "embedded-calculator"),
+    "calculator.quiet_time": (run_time, "embedded-calculator-quiet"),
+    "calculator.quiet_sampled": (embedded_metric, "pass@1", -1, "embedded-calculator-quiet"),
     "calculator.greedy.off": (embedded_metric, "pass@1_greedy", 0, "embedded-calculator-off"),
     "calculator.greedy.on": (embedded_metric, "pass@1_greedy", 0, "embedded-calculator"),
     "calculator.greedy.on.after": (embedded_metric, "pass@1_greedy", -1, "embedded-calculator"),

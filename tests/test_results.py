@@ -151,3 +151,7 @@ def test_calculator_reading():
     assert on[0]["pass@1_greedy"] < off[0]["pass@1_greedy"] and on[0]["pass@1"] < off[0]["pass@1"]
     assert on[-1]["round"] == 1 and on[-1]["pass@1_greedy"] < on[0]["pass@1_greedy"]
     assert on[-1]["pass@1"] < on[0]["pass@1"]
+    # run again alone: the same evaluation before training, and the same reading after the round
+    quiet = report.embedded_rounds("embedded-calculator-quiet")
+    assert all(quiet[0][k] == on[0][k] for k in ("pass@1_greedy", "pass@1", "invalid_rate", "tool_call_rate"))
+    assert quiet[-1]["pass@1_greedy"] < quiet[0]["pass@1_greedy"] and quiet[-1]["pass@1"] < quiet[0]["pass@1"]
