@@ -17,6 +17,16 @@ from trl_topr import TOPRTrainer
 pytestmark = pytest.mark.multiprocess  # each test launches 2 processes (`accelerate launch`, gloo)
 
 
+def launch_two_processes(script: Path, *arguments: str, timeout: int = 600) -> None:
+    """Run `script` with `arguments` on 2 CPU processes: `--multi_gpu` selects accelerate's torch.distributed
+    launcher; without a GPU the processes use gloo."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script), *arguments]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 WORKER = textwrap.dedent(
     """
     import json, sys
@@ -56,29 +66,7 @@ def test_two_processes_agree_with_one_on_the_behavior_logps(tiny_model_path, tmp
     script.write_text(WORKER.format(tests=str(Path(__file__).parent)))
     output_dir = tmp_path / "out"
     output_dir.mkdir()
-    # `--multi_gpu` selects accelerate's torch.distributed launcher; without a GPU the processes use gloo on CPU.
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        str(script),
-        tiny_model_path,
-        str(data_path),
-        str(output_dir),
-    ]
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"}
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    launch_two_processes(script, tiny_model_path, str(data_path), str(output_dir))
 
     ranks = [json.loads((output_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
     single = TOPRTrainer(
@@ -140,27 +128,7 @@ def test_loop_under_two_processes_trains_the_same_weights_everywhere(tiny_model_
     script = tmp_path / "loop_worker.py"
     script.write_text(LOOP_WORKER.format(tests=str(Path(__file__).parent)))
     output_dir = tmp_path / "loop"
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        str(script),
-        tiny_model_path,
-        str(output_dir),
-    ]
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"}
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    launch_two_processes(script, tiny_model_path, str(output_dir))
     round_dir = output_dir / "round-1"
     digests = [(round_dir / f"weights-rank{r}.txt").read_text() for r in (0, 1)]
     assert digests[0] == digests[1]
@@ -232,16 +200,7 @@ TOOL_WORKER = textwrap.dedent(
 def test_tools_run_once_and_the_loop_replays_trajectories_under_two_processes(tool_policy, tmp_path):
     script = tmp_path / "tool_worker.py"
     script.write_text(TOOL_WORKER.format(tests=str(Path(__file__).parent)))
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-    command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    result = subprocess.run(
-        [*command, str(script), tool_policy, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    launch_two_processes(script, tool_policy, str(tmp_path), timeout=900)
     samples = [json.loads((tmp_path / f"samples-rank{r}.json").read_text()) for r in (0, 1)]
     # every process holds the same trajectories, whose tool results the main process computed once
     assert samples[0] == samples[1] and len(samples[0]) == 4
