@@ -40,8 +40,8 @@ from ledger import Ledger
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w.@-]+) -->)\n(?P<body>.*?)(<!-- /generated -->)", re.S)
-VALUE = re.compile(r"(<!-- value: (?P<name>[\w.@-]+) -->)(?P<body>[^\n]*?)(<!-- /value -->)")
+BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w.@+-]+) -->)\n(?P<body>.*?)(<!-- /generated -->)", re.S)
+VALUE = re.compile(r"(<!-- value: (?P<name>[\w.@+-]+) -->)(?P<body>[^\n]*?)(<!-- /value -->)")
 FIGURES = {  # docs/images/<name> <- benchmarks/results/<file>
     "learning-real.png": "learning-real/learning.png",
     "learning-fast.png": "learning-fast-lr1e-4/learning.png",

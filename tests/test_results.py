@@ -24,6 +24,15 @@ def test_the_docs_quote_the_results_as_they_are():
     assert not found, "Run `python benchmarks/report.py` (or fix the results):\n" + "".join(found)
 
 
+def test_every_marker_in_the_docs_is_read():
+    # a marker whose name the patterns do not match would be left as it is, unchecked
+    for path in report.DOCS:
+        text = path.read_text()
+        opened = re.findall(r"<!-- (?:value|generated): ([^ ]+) -->", text)
+        read = [m["name"] for m in report.VALUE.finditer(text)] + [m["name"] for m in report.BLOCK.finditer(text)]
+        assert sorted(opened) == sorted(read), f"{path.name}: markers the patterns do not read"
+
+
 def test_a_changed_number_in_a_doc_fails_the_check():
     text = (ROOT / "docs" / "benchmarks.md").read_text()
     block = report.BLOCK.search(text)
