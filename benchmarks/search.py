@@ -53,9 +53,10 @@ def grid(setting: dict, method: str) -> list[float]:
 
 
 def sweep(setting: dict, method: str, score, ledger) -> dict | None:
-    """An arm's rate sweep (see `climb`): the replay arms score every rate of their grid, the others stop past the
-    peak (rates already in the ledger are still read)."""
-    every = ARMS[method].replay
+    """An arm's rate sweep (see `climb`): the replay arms score every rate of their grid (the same-rate table) where
+    the scale's `replay_every_rate` is true, the default; the others stop past the peak (rates already in the ledger
+    are still read)."""
+    every = ARMS[method].replay and setting.get("replay_every_rate", True)
     return climb(
         grid(setting, method),
         score,

@@ -348,6 +348,9 @@ def test_iterative_replay_arms_score_every_rate_of_their_grid():
     empty = ledger.Ledger(Path("/nonexistent"))
     assert search.sweep(setting, "topr+replay", peak.get, empty) == peak
     assert search.sweep(setting, "topr", {**peak, 1e-4: 0.4}.get, empty) == {1e-5: 0.5, 1e-4: 0.4}
+    # a scale without the same-rate table: the replay arms climb too
+    climbing = {**setting, "replay_every_rate": False}
+    assert search.sweep(climbing, "topr+replay", {**peak, 1e-4: 0.4}.get, empty) == {1e-5: 0.5, 1e-4: 0.4}
 
 
 def test_iterative_ledger_trains_again_a_run_whose_line_was_cut_short(tmp_path, capsys):
