@@ -92,6 +92,8 @@ SCALES = {
     "real": {"prompts": 32, "num_samples": 4, "val": 48, "test": 256, "k": 4, "rounds": 4, "seeds": 3, "batch": 8,
              "lrs": [3e-6, 1e-5, 3e-5], "replay_lrs": [3e-6, 1e-5, 3e-5], "past_edge": 0, "max_new_tokens": 48,
              "bf16": None, "replay": 1, "sweep_seeds": 2, "test_rounds": [0, 2, 4],
+             # every replay rate on two seeds does not fit the 8 hours: the replay arms climb like the others
+             "replay_every_rate": False,
              "methods": ["positives_only", "positives_only+replay", "topr_peff0.8+replay", "topr+replay",
                          "reinforce+replay", "grpo"], "run_seconds": 1200},
 }  # fmt: skip
@@ -640,9 +642,10 @@ def grid(setting: dict, method: str) -> list[float]:
 
 
 def sweep(setting: dict, method: str, score, ledger: "Ledger") -> dict | None:
-    """An arm's rate sweep (see `climb`): the replay arms score every rate of their grid, the others stop past the
-    peak (rates already in the ledger are still read)."""
-    every = method.endswith(REPLAY)
+    """An arm's rate sweep (see `climb`): the replay arms score every rate of their grid (the same-rate table) where
+    the scale's `replay_every_rate` is true, the default; the others stop past the peak (rates already in the ledger
+    are still read)."""
+    every = method.endswith(REPLAY) and setting.get("replay_every_rate", True)
     return climb(grid(setting, method), score, lambda lr: every or all(
         ledger.get(method, lr, seed) is not None for seed in range(setting["sweep_seeds"])),
         past_edge=setting.get("past_edge", PAST_EDGE))  # fmt: skip
