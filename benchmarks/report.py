@@ -47,6 +47,7 @@ FIGURES = {  # docs/images/<name> <- benchmarks/results/<file>
     "learning-fast.png": "learning-fast-lr1e-4/learning.png",
     "iterative-fast.png": "iterative-fast/iterative.png",
     "iterative-easy-before-replay.png": "iterative-easy-before-replay/iterative.png",
+    "iterative-real.png": "iterative-real/iterative.png",
 }
 
 
@@ -424,27 +425,44 @@ def iterative_rates(folder: str, methods: list[str], rounds: list[int]) -> str:
     return "\n".join(lines)
 
 
-def iterative_areas(folder: str) -> str:
-    """Each arm at its chosen rate, seed by seed: the test sampled pass@1 averaged over rounds 1..R (learning per
-    sampled completion) and after the last round."""
-    lines = ["| method | rate | test mean over rounds, by seed | after the last round, by seed |", "|---|---|---|---|"]
-    for method, entry in load(folder)["methods"].items():
-        areas = [mean(at(r, "pass@1") for r in run[1:]) for run in entry["runs"]]
-        lasts = [at(run[-1], "pass@1") for run in entry["runs"]]
+def tested(run: list[dict]) -> list[float]:
+    """A run's test sampled pass@1 after each round from 1 on that evaluated the test split (every round, or those of
+    the scale's `test_rounds`)."""
+    return [value for r in run[1:] if (value := at(r, "pass@1")) == value]  # NaN: not tested
+
+
+def area(run: list[dict]) -> float:
+    """A run's test sampled pass@1 averaged over its tested rounds from 1 on: the area under its learning curve
+    against completions sampled (every round samples as many)."""
+    return mean(tested(run))
+
+
+def iterative_areas(folder: str, validation: bool = False) -> str:
+    """Each arm at its chosen rate, seed by seed: the test sampled pass@1 averaged over the tested rounds from 1 on
+    (learning per sampled completion) and after the last round; with `validation`, the validation criterion (the same
+    mean over every round, on the validation split) first."""
+    results = load(folder)
+    rounds = [r["round"] for r in results["methods"][next(iter(results["methods"]))]["runs"][0][1:]]
+    some = [r for r in rounds if r in (results["settings"].get("test_rounds") or rounds)]
+    label = f"{some[0]}-{some[-1]}" if some == rounds else ", ".join(map(str, some))
+    head = ["method", "rate", *(["validation mean, by seed"] if validation else [])]
+    head += [f"test mean over rounds {label}, by seed", "after the last round, by seed"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for method, entry in results["methods"].items():
+        cells = [[e["mean"] for e in entry["validation"]]] if validation else []
+        cells += [[area(run) for run in entry["runs"]], [at(run[-1], "pass@1") for run in entry["runs"]]]
         lines.append(
             f"| {method} | {rate_text(entry['lr'])} | "
-            + " / ".join(f"{a:.3f}" for a in areas)
-            + " | "
-            + " / ".join(f"{v:.3f}" for v in lasts)
+            + " | ".join(" / ".join(f"{v:.3f}" for v in values) for values in cells)
             + " |"
         )
     return "\n".join(lines)
 
 
 def iterative_area(folder: str, method: str) -> str:
-    """An arm's test sampled pass@1 averaged over rounds 1..R, mean ± sd over seeds (learning per sampled
-    completion)."""
-    return mean_sd([mean(at(r, "pass@1") for r in run[1:]) for run in load(folder)["methods"][method]["runs"]])
+    """An arm's test sampled pass@1 averaged over its tested rounds from 1 on, mean ± sd over seeds (learning per
+    sampled completion)."""
+    return mean_sd([area(run) for run in load(folder)["methods"][method]["runs"]])
 
 
 def rate_text(rate: float) -> str:
@@ -481,9 +499,23 @@ def iterative_round_span(folder: str, method: str, key: str, rounds: range) -> s
     return span([mean(run[r][key] for run in runs) for r in rounds])
 
 
-def iterative_start(folder: str, key: str) -> str:
-    """The starting model's test metric (round 0, mean over TOPR's seeds)."""
-    return f"{mean(at(run[0], key) for run in load(folder)['methods']['topr']['runs']):.3f}"
+def iterative_start(folder: str, key: str, method: str = "topr") -> str:
+    """The starting model's test metric (round 0, mean over `method`'s seeds)."""
+    return f"{mean(at(run[0], key) for run in load(folder)['methods'][method]['runs']):.3f}"
+
+
+def iterative_difference_se(folder: str, scale: str, independent: bool = False) -> str:
+    """The standard error of a difference between two arms' test sampled pass@1, at the starting model's pass@1 `p`
+    (mean over every run's round 0), over the scale's `n` test prompts with `k` samples each: at most
+    sqrt(2 p (1 - p) / n) (a prompt's samples all alike: the prompts are the only draws), at least
+    sqrt(2 p (1 - p) / (n k)) with `independent` (every sample a draw of its own). Two arms evaluated on the same
+    prompts differ by less than the first bound when their errors fall on the same prompts."""
+    import iterative  # the scale's test split size: results.json keeps the split itself out of its settings
+
+    results = load(folder)
+    p = mean(at(run[0], "pass@1") for entry in results["methods"].values() for run in entry["runs"])
+    draws = iterative.SCALES[scale]["test"] * (results["settings"]["k"] if independent else 1)
+    return f"{(2 * p * (1 - p) / draws) ** 0.5:.3f}"
 
 
 def embedded_rounds(folder: str) -> list[dict]:
@@ -785,6 +817,19 @@ QUOTES: dict[str, tuple] = {
     "iterative-real.run_time": (iterative_time, "iterative-real", mean),
     "iterative-real.machine": (machine, "iterative-real"),
     "iterative-real.sweep": (table, "iterative-real", "sweep.md"),
+    "iterative-real.table": (iterative_table, "iterative-real"),
+    "iterative-real.areas": (iterative_areas, "iterative-real", True),
+    "iterative-real.commit": (commit, "iterative-real"),
+    "iterative-real.time": (iterative_time, "iterative-real"),
+    "iterative-real.start": (iterative_start, "iterative-real", "pass@1", "positives_only"),
+    "iterative-real.start_greedy": (iterative_start, "iterative-real", "pass@1_greedy", "positives_only"),
+    "iterative-real.se": (iterative_difference_se, "iterative-real", "real"),
+    "iterative-real.se_independent": (iterative_difference_se, "iterative-real", "real", True),
+    **{
+        f"iterative-real.area.{method}": (iterative_area, "iterative-real", method)
+        for method in ("positives_only", "positives_only+replay", "topr_peff0.8+replay", "topr+replay")
+        + ("reinforce+replay", "grpo")
+    },
     # the real scale's on-policy rows, recorded before the replay arms and the protocol's fixes
     f"{BEFORE}.round1_positive": (iterative_round_span, BEFORE, "topr", "positive_fraction", range(1, 2)),
     f"{BEFORE}.start": (iterative_start, BEFORE, "pass@1"),
