@@ -103,26 +103,26 @@ def test_every_results_folder_records_its_command_and_commit(folder):
 # ------------------------------------------------------------------------------------ the iterative benchmark's answer
 # docs/benchmarks.md answers its questions in words ("tied", "on every seed", "collapsed"); these hold each answer to
 # the committed fast-scale results, so a re-run that changes the answer fails here until the words change too.
-def fast_results() -> dict:
-    return json.loads((RESULTS / "iterative-fast" / "results.json").read_text())
+def iterative_results(folder: str = "iterative-fast") -> dict:
+    return json.loads((RESULTS / folder / "results.json").read_text())
 
 
-def areas(method: str) -> list[float]:
-    """Per seed: the test sampled pass@1 averaged over rounds 1..R (learning per sampled completion)."""
-    runs = fast_results()["methods"][method]["runs"]
-    return [sum(r["test/pass@1"] for r in run[1:]) / (len(run) - 1) for run in runs]
+def areas(method: str, folder: str = "iterative-fast") -> list[float]:
+    """Per seed: the test sampled pass@1 averaged over the tested rounds from 1 on (learning per sampled
+    completion)."""
+    return [report.area(run) for run in iterative_results(folder)["methods"][method]["runs"]]
 
 
-def above(a: str, b: str) -> bool:  # every seed of a above every seed of b
-    return min(areas(a)) > max(areas(b))
+def above(a: str, b: str, folder: str = "iterative-fast") -> bool:  # every seed of a above every seed of b
+    return min(areas(a, folder)) > max(areas(b, folder))
 
 
-def tied(a: str, b: str) -> bool:  # the seeds overlap
-    return not above(a, b) and not above(b, a)
+def tied(a: str, b: str, folder: str = "iterative-fast") -> bool:  # the seeds overlap
+    return not above(a, b, folder) and not above(b, a, folder)
 
 
 def test_fast_answers_on_policy():
-    start = fast_results()["methods"]["topr"]["runs"][0][0]["test/pass@1"]
+    start = iterative_results()["methods"]["topr"]["runs"][0][0]["test/pass@1"]
     assert max(areas("topr")) < start + 0.05  # baseline 0 did not learn at its best rate
     assert tied("topr_peff0.8", "positives_only")
     assert above("topr_peff0.8", "topr_peff0.5") and above("positives_only", "topr_peff0.5")
@@ -134,7 +134,7 @@ def test_fast_answers_off_policy():
     assert tied("topr_peff0.8+replay", "positives_only+replay")
     assert above("positives_only+replay", "topr+replay")
     last = {
-        m: [run[-1]["test/pass@1"] for run in fast_results()["methods"][m]["runs"]]
+        m: [run[-1]["test/pass@1"] for run in iterative_results()["methods"][m]["runs"]]
         for m in ("topr_peff0.8+replay", "positives_only+replay")
     }
     assert min(last["topr_peff0.8+replay"]) > max(last["positives_only+replay"])  # after the last round: above
@@ -164,3 +164,38 @@ def test_calculator_reading():
     quiet = report.embedded_rounds("embedded-calculator-quiet")
     assert all(quiet[0][k] == on[0][k] for k in ("pass@1_greedy", "pass@1", "invalid_rate", "tool_call_rate"))
     assert quiet[-1]["pass@1_greedy"] < quiet[0]["pass@1_greedy"] and quiet[-1]["pass@1"] < quiet[0]["pass@1"]
+
+
+def test_real_answers():
+    # docs/benchmarks.md's real scale (SmolLM2-135M on two-digit products, 3 seeds), seed by seed
+    real = "iterative-real"
+    results = iterative_results(real)
+    methods = results["methods"]
+    assert set(methods) == set(results["settings"]["methods"])
+    assert all(len(entry["runs"]) == results["settings"]["seeds"] for entry in methods.values())
+    assert {entry["lr"] for entry in methods.values()} == {min(results["settings"]["lrs"])}  # every best: the edge
+    start = [run[0]["test/pass@1"] for entry in methods.values() for run in entry["runs"]]
+    assert max(start) < 0.35  # the regime the task was chosen for: most samples are negatives
+    # Q1: positives-only with replay above TOPR with the target fraction 0.8 and replay; baseline 0 made it worse
+    assert above("positives_only+replay", "topr_peff0.8+replay", real)
+    assert max(run[-1]["test/pass@1"] for run in methods["topr+replay"]["runs"]) < min(start)
+    # the more weight the negatives have, the lower (every seed of each arm above every seed of the next)
+    assert above("topr_peff0.8+replay", "topr+replay", real) and above("topr+replay", "reinforce+replay", real)
+    # Q2: replay's gain for positives-only is a tie
+    assert tied("positives_only+replay", "positives_only", real)
+    # Q3: REINFORCE with replay at 0 after the last round at every rate it ran; TOPR with replay kept most of the start
+    ledger = report.ledger(real)
+    for lr in (3e-6, 1e-5):
+        for seed in (0, 1):
+            assert ledger.get("reinforce+replay", lr, seed)["rounds"][-1]["test/pass@1"] < 0.01
+            last = ledger.get("topr+replay", lr, seed)["rounds"][-1]["test/pass@1"]
+            assert min(start) / 2 < last < min(start)
+    # GRPO: every seed below positives-only's, by less than the standard error bound of a difference; tied with 0.8
+    assert above("positives_only", "grpo", real) and tied("grpo", "topr_peff0.8+replay", real)
+    gap = sum(areas("positives_only", real)) / 3 - sum(areas("grpo", real)) / 3
+    assert gap < float(report.iterative_difference_se(real, "real"))
+    # what the rounds learned: the training prompts' positive fraction rose far more than the test pass@1
+    runs = methods["positives_only"]["runs"]
+    trained = sum(run[4]["positive_fraction"] - run[1]["positive_fraction"] for run in runs) / len(runs)
+    tested_gain = sum(run[-1]["test/pass@1"] - run[0]["test/pass@1"] for run in runs) / len(runs)
+    assert trained > 2 * tested_gain
