@@ -787,9 +787,6 @@ QUOTES: dict[str, tuple] = {
         1e-5,
     ),
     "iterative-fast.ages": (iterative_ages, "iterative-fast", {2, 4, 8}, {"topr+replay", "topr_peff0.2+replay"}),
-    "iterative-fast.topr_replay": (iterative_test, "iterative-fast", "topr+replay"),
-    "iterative-fast.topr_peff02_replay": (iterative_test, "iterative-fast", "topr_peff0.2+replay"),
-    "iterative-fast.positives_only_replay": (iterative_test, "iterative-fast", "positives_only+replay"),
     "iterative-fast.time": (iterative_time, "iterative-fast"),
     "iterative-fast.efficiency": (table, "iterative-fast", "efficiency.md"),
     "iterative-fast.areas": (iterative_areas, "iterative-fast"),
@@ -803,36 +800,24 @@ QUOTES: dict[str, tuple] = {
     "iterative-fast.machine": (machine, "iterative-fast"),
     "iterative-fast.seeds": (iterative_seeds, "iterative-fast"),
     "iterative-fast.start": (iterative_start, "iterative-fast", "pass@1"),
-    "iterative-fast.round1_positive": (
-        iterative_round_span,
-        "iterative-fast",
-        "topr",
-        "positive_fraction",
-        range(1, 2),
-    ),
     # iterative, the real scale (finished) and the easy task (stopped)
     "iterative-easy.progress": (iterative_progress, "iterative-easy"),
     "iterative-easy.run_time": (iterative_time, "iterative-easy", mean),
     "iterative-real.progress": (iterative_progress, "iterative-real"),
-    "iterative-real.run_time": (iterative_time, "iterative-real", mean),
     "iterative-real.machine": (machine, "iterative-real"),
     "iterative-real.sweep": (table, "iterative-real", "sweep.md"),
     "iterative-real.table": (iterative_table, "iterative-real"),
     "iterative-real.diagnosis": (iterative_diagnosis, "iterative-real", {1, 4}),
-    "iterative-real.train_positive_r1": (
-        iterative_round_span,
-        "iterative-real",
-        "positives_only",
-        "positive_fraction",
-        range(1, 2),
-    ),
-    "iterative-real.train_positive_r4": (
-        iterative_round_span,
-        "iterative-real",
-        "positives_only",
-        "positive_fraction",
-        range(4, 5),
-    ),
+    **{
+        f"iterative-real.train_positive_r{r}": (
+            iterative_round_span,
+            "iterative-real",
+            "positives_only",
+            "positive_fraction",
+            range(r, r + 1),
+        )
+        for r in (1, 4)
+    },
     "iterative-real.last.positives_only": (iterative_test, "iterative-real", "positives_only"),
     "iterative-real.last.topr+replay": (iterative_test, "iterative-real", "topr+replay"),
     "iterative-real.last.reinforce+replay": (iterative_test, "iterative-real", "reinforce+replay"),
@@ -846,11 +831,9 @@ QUOTES: dict[str, tuple] = {
     "iterative-real.se_independent": (iterative_difference_se, "iterative-real", "real", True),
     **{
         f"iterative-real.area.{method}": (iterative_area, "iterative-real", method)
-        for method in ("positives_only", "positives_only+replay", "topr_peff0.8+replay", "topr+replay")
-        + ("reinforce+replay", "grpo")
+        for method in ("positives_only", "positives_only+replay", "topr_peff0.8+replay", "topr+replay", "grpo")
     },
     # the real scale's on-policy rows, recorded before the replay arms and the protocol's fixes
-    f"{BEFORE}.round1_positive": (iterative_round_span, BEFORE, "topr", "positive_fraction", range(1, 2)),
     f"{BEFORE}.start": (iterative_start, BEFORE, "pass@1"),
     f"{BEFORE}.start_invalid": (iterative_start, BEFORE, "invalid_rate"),
     f"{BEFORE}.table": (iterative_table, BEFORE),
