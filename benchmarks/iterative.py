@@ -58,9 +58,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 from arms import ARMS
 from iterative_report import ages_table, efficiency_table, plot, summarize, sweep_table
-from ledger import Ledger, read_run, validation_scores
+from ledger import Ledger, per_prompt_lists, read_run, validation_scores
 from provenance import save
-from search import best_rate, plan, sweep
+from search import best_rate, plan, reference, sweep
 from tasks import PRETRAIN_ROWS, pretrain_reverser, product_problems, reversal_answer, reversal_reward, reversal_rows
 
 
@@ -86,6 +86,12 @@ SCALES = {
         "sweep_seeds": 2,
         "test_rounds": None,
         "methods": list(ARMS),
+        # every seed at these rates too, whichever rate the sweep picks: positives-only and TOPR with target 0.8 at
+        # the same rates, on- and off-policy, seed by seed
+        "all_seeds_at": {
+            method: [3e-4, 1e-3]
+            for method in ("positives_only", "positives_only+replay", "topr_peff0.8", "topr_peff0.8+replay")
+        },
         "run_seconds": 60,
     },
     # SmolLM2 on two-digit products, where it starts at a low sampled pass@1 (negatives outnumber positives)
@@ -120,6 +126,43 @@ SCALES = {
         ],
         "run_seconds": 1200,
     },
+    # v2 of the real scale, built to separate the methods: fresh training prompts every round (a pool of rounds x
+    # prompts, disjoint from validation and test, so that no training prompt comes back within a run), 6 rounds, the
+    # test split at round 0 and 3 later rounds, each swept arm's rate bracketed from v1's best (3e-6, down first) until
+    # it is interior, and two reference arms at topr_peff0.8+replay's rate. float32 on every machine, so that runs
+    # made on CPUs with and without fast bf16 train alike; with vLLM, mu is vLLM's float32 log-probs of the samples.
+    "real-v2": {
+        "prompts": 64,
+        "fresh_prompts": True,
+        "num_samples": 4,
+        "val": 48,
+        "test": 256,
+        "k": 4,
+        "rounds": 6,
+        "seeds": 3,
+        "batch": 8,
+        "start_lr": 3e-6,
+        "lrs": [],
+        "replay_lrs": [],
+        "past_edge": 0,
+        "max_new_tokens": 48,
+        "bf16": False,
+        "sampler_logps": True,
+        "replay": 1,
+        "sweep_seeds": 2,
+        "test_rounds": [0, 2, 4, 6],
+        "methods": [
+            "positives_only",
+            "positives_only+replay",
+            "topr_peff0.8",
+            "topr_peff0.8+replay",
+            "grpo",
+            "topr+replay",
+            "reinforce+replay",
+        ],
+        "references": {"topr+replay": "topr_peff0.8+replay", "reinforce+replay": "topr_peff0.8+replay"},
+        "run_seconds": 2400,
+    },
 }
 QUICK = {
     "prompts": 8,
@@ -134,6 +177,7 @@ QUICK = {
     "replay_lrs": [3e-4],
     "replay": 1,
     "sweep_seeds": 1,
+    "all_seeds_at": {"positives_only": [1e-3]},
 }
 
 
@@ -143,7 +187,8 @@ def setup(scale: str, work: Path, quick: bool) -> dict:
     from datasets import Dataset
 
     settings = dict(SCALES[scale], **(QUICK if quick else {}))
-    splits = (settings["prompts"], settings["val"], settings["test"])
+    pool = settings["prompts"] * (settings["rounds"] if settings.get("fresh_prompts") else 1)
+    splits = (pool, settings["val"], settings["test"])
     if scale == "fast":
         numbers = random.Random(0).sample(range(10**4), PRETRAIN_ROWS + sum(splits))
         model = work / "start"
@@ -158,6 +203,8 @@ def setup(scale: str, work: Path, quick: bool) -> dict:
 
         problems = product_problems()  # the first is the one-shot example
         model, rows = smollm2_path(), list(few_shot_prompts(problems[1:], problems[:1]))
+        if sum(splits) > len(rows):
+            raise ValueError(f"The {scale} scale needs {sum(splits)} distinct problems; the task has {len(rows)}.")
         task = {
             "reward": gsm8k_reward,
             "answer": extract_final_answer,
@@ -218,7 +265,9 @@ def run_loop(method: str, setting: dict, lr: float, seed: int, folder: Path, use
     from trl_topr.generation import SamplingSettings
 
     arm = ARMS[method]
-    args = TOPRConfig(**training_args(setting, folder, lr, seed, use_vllm=use_vllm), **arm.options)
+    # mu from vLLM's own log-probs where the scale asks for them (no second forward over every sample), as GRPO does
+    source = {"behavior_logps_source": "sampler"} if use_vllm and setting.get("sampler_logps") else {}
+    args = TOPRConfig(**training_args(setting, folder, lr, seed, use_vllm=use_vllm), **source, **arm.options)
     run_topr_loop(
         setting["model"],
         setting["train"],
@@ -233,7 +282,13 @@ def run_loop(method: str, setting: dict, lr: float, seed: int, folder: Path, use
         eval_sampling=SamplingSettings(num_samples=setting["k"], **sampling(setting, seed)),
         progress=False,
         replay_rounds=setting["replay"] if arm.replay else 0,
+        prompts_per_round=prompts_per_round(setting),
     )
+
+
+def prompts_per_round(setting: dict) -> int | None:
+    """The prompts a round samples when the scale draws fresh ones every round; None: every prompt, every round."""
+    return setting["prompts"] if setting.get("fresh_prompts") else None
 
 
 def delete_old_weights(folder: Path, rounds: int) -> None:
@@ -270,7 +325,7 @@ def evaluate_test(setting: dict, folder: Path, seed: int, work: Path, use_vllm: 
                     args = TOPRConfig(**training_args(setting, folder / "test-engine", 0.0, seed, use_vllm=use_vllm))
                     engine = generation_engine(model, tokenizer, args)
                 engine.load_weights(model)
-                metrics = evaluate_policy(
+                metrics, per_prompt = evaluate_policy(
                     None,
                     tokenizer,
                     setting["test"],
@@ -279,7 +334,9 @@ def evaluate_test(setting: dict, folder: Path, seed: int, work: Path, use_vllm: 
                     eval_sampling,
                     engine=engine,
                     progress=False,
+                    return_per_prompt=True,
                 )
+                metrics.update(per_prompt_lists(per_prompt))
                 engine.release_weights()
                 if r == 0:
                     start.write_text(json.dumps(metrics))
@@ -306,6 +363,7 @@ def run_grpo(setting: dict, lr: float, seed: int, folder: Path, use_vllm: bool) 
     from trl_topr.evaluation import evaluate_policy
     from trl_topr.generation import SamplingSettings, generation_engine
     from trl_topr.generation.vllm_engine import TOPRVLLMGeneration
+    from trl_topr.loop import EVALUATION_FILE, round_prompts
 
     steps_per_round = setting["prompts"] * setting["num_samples"] // setting["batch"]
     metrics_file = folder / "metrics.jsonl"
@@ -327,7 +385,7 @@ def run_grpo(setting: dict, lr: float, seed: int, folder: Path, use_vllm: bool) 
         engine.load_weights(model_folder, model=model)
         metrics = dict(extra)
         for name, prompts in held_out(setting).items():
-            values = evaluate_policy(
+            values, per_prompt = evaluate_policy(
                 None,
                 tokenizer,
                 prompts,
@@ -336,7 +394,11 @@ def run_grpo(setting: dict, lr: float, seed: int, folder: Path, use_vllm: bool) 
                 eval_sampling,
                 engine=engine,
                 progress=False,
+                return_per_prompt=True,
             )
+            (folder / f"round-{round_index}").mkdir(parents=True, exist_ok=True)  # as the loop writes them
+            with open(folder / f"round-{round_index}" / f"{EVALUATION_FILE}-{name}.jsonl", "w") as f:
+                f.writelines(json.dumps(row) + "\n" for row in per_prompt)
             metrics.update({f"{name}/{key}": value for key, value in values.items()})
         with open(metrics_file, "a") as f:
             f.write(json.dumps({"round": round_index, **metrics}) + "\n")
@@ -364,8 +426,9 @@ def run_grpo(setting: dict, lr: float, seed: int, folder: Path, use_vllm: bool) 
                     **vllm_args,
                 )
             )
+            prompts = round_prompts(setting["train"], round_index, prompts_per_round(setting))  # the loop's
             with patch.object(grpo_trainer, "VLLMGeneration", TOPRVLLMGeneration) if use_vllm else nullcontext():
-                trainer = GRPOTrainer(previous, reward_funcs=reward, args=args, train_dataset=setting["train"])
+                trainer = GRPOTrainer(previous, reward_funcs=reward, args=args, train_dataset=prompts)
             trainer.remove_callback(PrinterCallback)
             counted.clear()
             trainer.train()
@@ -444,15 +507,22 @@ class Runs:
         """First every arm's sweep, then the other seeds at each arm's best rate (a call stopped halfway already
         compares the arms swept): each arm's rate, sweep, runs and scores."""
         results = {"methods": {}}
+        arms = [m for m in ARMS if m in self.methods or self.ledger.rates(m)]
         sweeps = {
-            method: sweep(self.setting, method, partial(self.score, method), self.ledger)
-            for method in ARMS
-            if method in self.methods or self.ledger.rates(method)
+            m: sweep(self.setting, m, partial(self.score, m), self.ledger)
+            for m in arms
+            if not reference(self.setting, m)
         }
-        for method, scores in sweeps.items():
+        for method in arms:
+            if reference(self.setting, method):  # a reference arm runs at its reference's best rate, not swept
+                scores = sweeps.get(reference(self.setting, method))
+                best = None if scores is None else best_rate(scores)
+                scores = None if best is None else {}
+            else:
+                scores = sweeps[method]
             if scores is None:
                 continue
-            best = best_rate(scores)
+            best = best_rate(scores) if scores else best
             entries = [
                 self.run(method, best, seed)
                 for seed in range(self.setting["seeds"])
@@ -465,7 +535,13 @@ class Runs:
                 "validation": [e["validation"] for e in entries],
                 "seconds": [e["seconds"] for e in entries],
                 "replay_rounds": self.setting["replay"] if ARMS[method].replay else 0,
+                **({"reference": reference(self.setting, method)} if reference(self.setting, method) else {}),
             }
+        for method, rates in self.setting.get("all_seeds_at", {}).items():  # every seed at these rates too
+            for lr in rates:
+                for seed in range(self.setting["seeds"]):
+                    if method in arms and self.available(method, lr, seed):
+                        self.run(method, lr, seed)
         return results
 
 
@@ -496,13 +572,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--use_vllm",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="sample and evaluate with vLLM (default: at the real scale, where vLLM is installed)",
+        help="sample and evaluate with vLLM (default: at the real scales, where vLLM is installed)",
     )
     args = parser.parse_args(argv)
     if args.use_vllm is None:
         import importlib.util
 
-        args.use_vllm = args.scale == "real" and importlib.util.find_spec("vllm") is not None
+        args.use_vllm = args.scale != "fast" and importlib.util.find_spec("vllm") is not None
     return args
 
 

@@ -47,15 +47,27 @@ class Ledger:
         return sorted({entry["lr"] for (m, _, _), entry in self.runs.items() if m == method})
 
 
+def per_prompt_lists(per_prompt: list[dict]) -> dict[str, list[int]]:
+    """Each test prompt's outcome, as the ledger keeps it: `correct` (how many of its k samples are correct) and
+    `greedy_correct` (0 or 1), one entry per prompt in the split's order, for paired comparisons over prompts."""
+    return {key: [row[key] for row in per_prompt] for key in ("correct", "greedy_correct")}
+
+
 def read_run(method: str, folder: Path) -> list[dict]:
-    """A run's rounds: held-out metrics (`validation/...` every round, `test/...` at the test rounds), what was sampled
-    so far, and (loop methods) the trainer's per-round means."""
+    """A run's rounds: held-out metrics (`validation/...` every round, `test/...` at the test rounds, with each test
+    prompt's outcome: `test/correct`, `test/greedy_correct`), what was sampled so far, and (loop methods) the trainer's
+    per-round means."""
     metrics_file = folder / "metrics.jsonl"
     rounds = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
     tests = folder / "test.jsonl"
     for line in tests.read_text().splitlines() if tests.exists() else []:
         test = json.loads(line)
         rounds[test.pop("round")].update({f"test/{key}": value for key, value in test.items()})
+    for r in rounds:  # the test split evaluated with the held-out splits (the loop's and GRPO's evaluation files)
+        evaluation = folder / f"round-{r['round']}" / "evaluation-test.jsonl"
+        if evaluation.exists():
+            rows = [json.loads(line) for line in evaluation.read_text().splitlines()]
+            r.update({f"test/{key}": value for key, value in per_prompt_lists(rows).items()})
     sampled, tokens = 0, 0
     for r in rounds:
         if r["round"] > 0 and not ARMS[method].online:
@@ -70,6 +82,8 @@ def read_run(method: str, folder: Path) -> list[dict]:
                 "log_ratio_mean",
                 "log_ratio_min",
                 "effective_positive_fraction",
+                "clamped_fraction",
+                "effective_sample_size",
             ):
                 values = [h[key] for h in steps if key in h]
                 r[f"train/{key}"] = statistics.fmean(values) if values else float("nan")

@@ -36,6 +36,30 @@ def climb(rates: list[float], score, done, past_edge: int = PAST_EDGE) -> dict |
     return scores
 
 
+def bracket(start: float, score, most: int = 6) -> dict | None:
+    """A learning-rate search that ends with its best rate interior: `score(start)`, then the next rate down the
+    1-3-10 ladder, and on past whichever edge of the rates scored holds the best (down first) until the best has a
+    rate scored on each side of it, which by definition scores lower (ties go to the smaller rate). At most `most`
+    rates. Returns {rate: score}, or None when `score` returns None (no time left to run that rate)."""
+    scores = {}
+    rate = start
+    while len(scores) < most:
+        value = score(rate)
+        if value is None:
+            return None
+        scores[rate] = value
+        best = best_rate(scores)
+        if min(scores) < best < max(scores):
+            break
+        rate = beyond(min(scores), up=False) if best == min(scores) else beyond(max(scores), up=True)
+    return scores
+
+
+def interior(scores: dict) -> bool:
+    """Whether the best of the rates scored has a rate scored on each side of it."""
+    return min(scores) < best_rate(scores) < max(scores)
+
+
 def best_rate(scores: dict) -> float:
     return max(scores, key=lambda rate: (scores[rate], -rate))  # ties: the smaller rate
 
@@ -47,15 +71,22 @@ def beyond(rate: float, up: bool) -> float:
     return float(f"{rate * factor if up else rate / factor:.0e}")
 
 
+def reference(setting: dict, method: str) -> str | None:
+    """The arm whose best rate a reference arm runs at (the scale's `references`), or None for an arm swept itself."""
+    return setting.get("references", {}).get(method)
+
+
 def grid(setting: dict, method: str) -> list[float]:
     """The rates an arm's sweep starts from: the scale's `replay_lrs` for a replay arm, else its `lrs`."""
     return setting["replay_lrs"] if ARMS[method].replay else setting["lrs"]
 
 
 def sweep(setting: dict, method: str, score, ledger) -> dict | None:
-    """An arm's rate sweep (see `climb`): the replay arms score every rate of their grid (the same-rate table) where
-    the scale's `replay_every_rate` is true, the default; the others stop past the peak (rates already in the ledger
-    are still read)."""
+    """An arm's rate sweep. Where the scale names a `start_lr`, `bracket` from it. Otherwise `climb` the grid: the
+    replay arms score every rate of their grid (the same-rate table) where the scale's `replay_every_rate` is true,
+    the default; the others stop past the peak (rates already in the ledger are still read)."""
+    if "start_lr" in setting:
+        return bracket(setting["start_lr"], score)
     every = ARMS[method].replay and setting.get("replay_every_rate", True)
     return climb(
         grid(setting, method),
@@ -73,22 +104,33 @@ def plan(setting: dict, methods: list[str], ledger) -> str:
     finished = [e["seconds"] for e in ledger.runs.values() if not e["resumed"]]
     default = statistics.fmean(finished) if finished else setting["run_seconds"]
     lines, total_todo, total_runs = [], 0.0, 0
+    others = setting["seeds"] - setting["sweep_seeds"]  # seeds run at the best rate only
     for method in methods:
-        rates = grid(setting, method)
-        seeds = setting["sweep_seeds"] * (len(rates) + setting.get("past_edge", PAST_EDGE))
-        most = seeds + setting["seeds"] - setting["sweep_seeds"]  # the sweep, then the other seeds at the best rate
+        if reference(setting, method):
+            rates_text = f"at the best rate of {reference(setting, method)}, not swept"
+            most = setting["seeds"]
+        elif "start_lr" in setting:  # a bracket: three rates at least (the best and one on each side)
+            rates_text = f"a bracket from {setting['start_lr']:.0e}, down first, of 3 rates or more".replace(
+                "e-0", "e-"
+            )
+            most = setting["sweep_seeds"] * 3 + others
+        else:
+            rates = grid(setting, method)
+            rates_text = f"rates {' '.join(f'{r:g}' for r in rates)}"
+            most = setting["sweep_seeds"] * (len(rates) + setting.get("past_edge", PAST_EDGE)) + others
         done = sum(m == method for m, _, _ in ledger.runs)
         own = [e["seconds"] for (m, _, _), e in ledger.runs.items() if m == method and not e["resumed"]]
         each = statistics.fmean(own) if own else default
         todo = max(most - done, 0) * each / 3600
         total_todo, total_runs = total_todo + todo, total_runs + most
         lines.append(
-            f"{method}: rates {' '.join(f'{r:g}' for r in rates)} on seeds 0-{setting['sweep_seeds'] - 1}, "
-            f"then seeds up to {setting['seeds'] - 1} at the best: at most {most} runs, {done} done, "
-            f"{each / 60:.0f} min a run, at most {todo:.1f} h to go"
+            f"{method}: {rates_text} on seeds 0-{setting['sweep_seeds'] - 1}, then seeds up to "
+            f"{setting['seeds'] - 1} at the best: {'at least' if 'start_lr' in setting else 'at most'} {most} runs, "
+            f"{done} done, {each / 60:.0f} min a run, {todo:.1f} h to go"
         )
     lines.append(
-        f"In all: at most {total_runs} runs, at most {total_todo:.1f} h to go on one process "
-        f"(two processes with one thread each, --methods split between them: about half the wall time)"
+        f"In all: {'at least' if 'start_lr' in setting else 'at most'} {total_runs} runs, {total_todo:.1f} h to go on "
+        f"one process; two processes with one thread each, --methods split between them: about "
+        f"{total_todo / 2:.1f} h"
     )
     return "\n".join(lines)

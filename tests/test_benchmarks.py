@@ -248,6 +248,18 @@ def test_iterative_benchmark_resumes_and_gives_every_method_the_same_budget(caps
     # 8 prompts x 4 samples a round, for the loop and GRPO alike (GRPO's counted by its reward function), with or
     # without replay
     assert budgets == {(0, 32, 64)}
+    # every seed at the scale's extra rates too (the same-rate comparisons), outside the sweep
+    assert {
+        (e["lr"], e["seed"]) for e in map(json.loads, (ledger / "positives_only.jsonl").read_text().splitlines())
+    } == {(3e-4, 0), (3e-4, 1), (1e-3, 0), (1e-3, 1)}
+    # each test prompt's outcome, every round: the paired comparisons' data
+    run = results["methods"]["topr"]["runs"][0]
+    assert all(len(r["test/correct"]) == iterative.QUICK["test"] for r in run)
+    assert [sum(r["test/correct"]) / iterative.QUICK["test"] for r in run] == [r["test/pass@1"] for r in run]
+    # the importance weights' effective sample size and clamped fraction, per round and (replay) by sample age
+    replayed = results["methods"]["topr+replay"]["runs"][0]
+    assert all(0 < r["train/effective_sample_size"] <= 1 and 0 <= r["train/clamped_fraction"] <= 1 for r in run[1:])
+    assert 0 < replayed[2]["age_1/effective_sample_size"] <= 1 and 0 <= replayed[2]["age_1/clamped_fraction"] <= 1
     assert (tmp_path / "out" / "iterative.png").stat().st_size > 0
     assert "negative weight share" in (tmp_path / "out" / "diagnosis.md").read_text()
     efficiency = (tmp_path / "out" / "efficiency.md").read_text().split("\n\n")[1].splitlines()[2:]
@@ -389,3 +401,75 @@ def test_iterative_results_follow_the_sweep(scale):
         )
         assert swept == recorded and search.best_rate(swept) == results["methods"][method]["lr"], method
         assert len(results["methods"][method]["runs"]) == results["settings"]["seeds"], method
+
+
+def test_paired_differences_read_above_below_or_tied_from_their_interval():
+    paired = load("paired")
+
+    def run(correct_by_round: list[list[int]], k: int = 4) -> list[dict]:
+        return [{"test/correct": c, "test/pass@1": sum(c) / (k * len(c))} for c in correct_by_round]
+
+    # 3 seeds x 40 prompts: arm A one sample better than B on every prompt at round 2, the same at round 1
+    base = [[i % 5 for i in range(40)] for _ in range(3)]
+    first = [run([b, b, [min(c + 1, 4) for c in b]]) for b in base]
+    second = [run([b, b, b]) for b in base]
+    difference = paired.paired_difference(first, second, rounds=[2], k=4)
+    gain = sum(min(c + 1, 4) - c for c in base[0]) / (4 * 40)
+    assert difference.estimate == pytest.approx(gain) and difference.by_seed == pytest.approx([gain] * 3)
+    assert 0 < difference.low <= difference.estimate <= difference.high and difference.reading == "above"
+    assert paired.paired_difference(second, first, rounds=[2], k=4).reading == "below"
+    # over rounds 1-2 the gain is halved; the seeds' and prompts' spread widens the interval, it stays above 0
+    area = paired.paired_difference(first, second, rounds=[1, 2], k=4)
+    assert area.estimate == pytest.approx(gain / 2) and area.reading == "above"
+    # a difference that changes sign from prompt to prompt: tied
+    noisy = [run([[c + (1 if i % 2 else -1) if 0 < c < 4 else c for i, c in enumerate(b)]] * 3) for b in base]
+    tied = paired.paired_difference(noisy, second, rounds=[2], k=4)
+    assert tied.low < 0 < tied.high and tied.reading == "tied"
+    # the same runs give the same interval (the draws are seeded), and unpaired runs are refused
+    assert paired.paired_difference(noisy, second, rounds=[2], k=4) == tied
+    with pytest.raises(ValueError, match="paired runs"):
+        paired.paired_difference(noisy[:2], second, rounds=[2], k=4)
+    with pytest.raises(ValueError, match="per-prompt"):
+        paired.paired_difference([[{}, {}, {"test/pass@1": 0.5}]] * 3, second, rounds=[2], k=4)
+
+
+def test_iterative_bracket_ends_with_an_interior_best_and_references_take_its_rate(tmp_path):
+    search = load("search")
+    iterative = load("iterative")
+    ledger = load("ledger")
+    # down first from the start; past the edge that holds the best until a worse rate stands on each side
+    peak_low = {1e-7: 0.1, 3e-7: 0.2, 1e-6: 0.4, 3e-6: 0.3, 1e-5: 0.1}
+    trained = []
+
+    def score(rate):
+        trained.append(rate)
+        return peak_low[rate]
+
+    assert search.bracket(3e-6, score) == {3e-6: 0.3, 1e-6: 0.4, 3e-7: 0.2}
+    assert trained == [3e-6, 1e-6, 3e-7] and search.interior({3e-6: 0.3, 1e-6: 0.4, 3e-7: 0.2})
+    peak_high = {1e-6: 0.1, 3e-6: 0.2, 1e-5: 0.3, 3e-5: 0.5, 1e-4: 0.4}
+    assert list(search.bracket(3e-6, peak_high.get)) == [3e-6, 1e-6, 1e-5, 3e-5, 1e-4]
+    assert list(search.bracket(3e-6, {1e-6: 0.1, 3e-6: 0.2, 1e-5: 0.1}.get)) == [3e-6, 1e-6, 1e-5]
+    # ties go to the smaller rate, so a tie below the start goes on down; a search that never turns stops at `most`
+    assert list(search.bracket(3e-6, {1e-6: 0.3, 3e-6: 0.3, 3e-7: 0.1}.get)) == [3e-6, 1e-6, 3e-7]
+    assert len(search.bracket(3e-6, lambda rate: -rate, most=4)) == 4
+    assert search.bracket(3e-6, lambda rate: None) is None
+
+    # the scale's protocol, its training replaced by a table of criteria: each swept arm bracketed on the sweep
+    # seeds, every seed at its best, the reference arms at their reference's best rate, on every seed
+    setting = dict(iterative.SCALES["real-v2"], methods=["positives_only", "topr_peff0.8+replay", "topr+replay"])
+    criteria = {"positives_only": peak_low, "topr_peff0.8+replay": peak_high}
+    runs = iterative.Runs(setting, ledger.Ledger(tmp_path), tmp_path, setting["methods"], iterative.parse_args([]))
+    runs.run = lambda method, lr, seed: {
+        "validation": {"mean": criteria.get(method, {}).get(lr, 0.0)},
+        "rounds": [],
+        "seconds": 0,
+    }
+    results = runs.results()["methods"]
+    assert (results["positives_only"]["lr"], results["topr_peff0.8+replay"]["lr"]) == (1e-6, 3e-5)
+    assert results["topr+replay"]["lr"] == 3e-5 and results["topr+replay"]["sweep"] == {}
+    assert results["topr+replay"]["reference"] == "topr_peff0.8+replay"
+    assert all(len(entry["runs"]) == setting["seeds"] for entry in results.values())
+    plan = search.plan(setting, setting["methods"], ledger.Ledger(tmp_path))
+    assert "a bracket from 3e-6, down first, of 3 rates or more" in plan
+    assert "at the best rate of topr_peff0.8+replay, not swept" in plan

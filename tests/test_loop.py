@@ -124,6 +124,23 @@ def test_evaluate_policy_majority_vote_and_truncation_are_exact(tiny_model_path)
     assert metrics["invalid_rate"] == 0.0
     assert metrics["truncated_rate"] == pytest.approx(2 / 6)
     assert metrics["mean_length"] == pytest.approx((2 + 4 + 4 + 2 + 4 + 2) / 6)
+    # each prompt's outcome, for paired comparisons over prompts: the same generations, counted per prompt
+    again, per_prompt = evaluate_policy(
+        None,
+        tokenizer,
+        prompts(2),
+        correct,
+        lambda text: last_number(text) if "a" not in text else None,  # a trailing letter makes an answer invalid
+        progress=False,
+        engine=ScriptedEngine(tokenizer, greedy=[three + [eos], nine + [eos]], sampled=sampled),
+        sampling=SamplingSettings(num_samples=3, max_new_tokens=4, seed=0),
+        return_per_prompt=True,
+    )
+    assert again["pass@1"] == metrics["pass@1"]
+    assert per_prompt == [
+        {"greedy_correct": 1, "correct": 2, "invalid": 2},  # "3", "3aaa" (correct, invalid), "9aa" (invalid)
+        {"greedy_correct": 0, "correct": 1, "invalid": 1},  # "9" (cut at its EOS), "9aaa" (invalid), "4"
+    ]
 
 
 def test_loop_runs_rounds_writes_metrics_and_resumes(tiny_model_path, tmp_path):
@@ -247,6 +264,13 @@ def test_loop_evaluates_named_sets_as_trl_eval_dataset_dicts(tiny_model_path, tm
             key.removeprefix(f"{name}/"): value for key, value in named.items() if key.startswith(f"{name}/")
         }
     assert "pass@1" not in named and {"validation/pass@1", "test/pass@1_greedy"} <= set(named)
+    # each prompt's outcome, one line per prompt of each set, agreeing with the set's metrics
+    for name, dataset in sets.items():
+        lines = (tmp_path / "named" / "round-0" / f"evaluation-{name}.jsonl").read_text().splitlines()
+        outcomes = [json.loads(line) for line in lines]
+        assert len(outcomes) == len(dataset)
+        assert sum(o["correct"] for o in outcomes) / (2 * len(dataset)) == named[f"{name}/pass@1"]
+        assert sum(o["greedy_correct"] for o in outcomes) / len(dataset) == named[f"{name}/pass@1_greedy"]
     bad = prompts(2).rename_column("prompt", "question")
     with pytest.raises(TOPRDataError, match="eval prompts 'test'"):
         run_topr_loop(
@@ -260,6 +284,30 @@ def test_loop_evaluates_named_sets_as_trl_eval_dataset_dicts(tiny_model_path, tm
     with pytest.raises(ValueError, match="empty dict"):
         run_topr_loop(tiny_model_path, prompts(2), correct, make_args(tmp_path / "bad"), eval_prompts={}, **options)
     assert not (tmp_path / "bad").exists()  # refused before anything was written
+
+
+def test_prompts_per_round_go_through_the_prompts_as_epochs(tiny_model_path, tmp_path):
+    # 5 prompts, 2 a round: rounds 1, 2, 3 sample prompts 0-1, 2-3, then 4 and 0 (the start again)
+    run_topr_loop(
+        tiny_model_path,
+        prompts(5),
+        correct,
+        make_args(tmp_path / "loop", per_device_train_batch_size=4),
+        num_rounds=3,
+        progress=False,
+        sampling=SamplingSettings(num_samples=2, max_new_tokens=4),
+        prompts_per_round=2,
+    )
+    sampled = []
+    for r in (1, 2, 3):
+        rows = [json.loads(line) for line in (tmp_path / "loop" / f"round-{r}" / "samples.jsonl").open()]
+        sampled.append(sorted({int(row["answer"]) - 3 for row in rows}))
+        assert len(rows) == 4  # 2 prompts x 2 samples
+    assert sampled == [[0, 1], [2, 3], [0, 4]]
+    for bad in (0, -1, 1.5, True, 6):  # 6: more than the 5 prompts
+        with pytest.raises(ValueError, match="prompts_per_round"):
+            run_topr_loop(tiny_model_path, prompts(5), correct, make_args(tmp_path / "bad"), prompts_per_round=bad)
+    assert not (tmp_path / "bad").exists()
 
 
 def test_evaluation_needs_its_functions(tiny_model_path, tmp_path):

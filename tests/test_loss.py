@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trl_topr import topr_loss, topr_weights
-from trl_topr.loss import LOSS_NORMALIZATIONS, LOSS_TYPES, RATIO_LEVELS
+from trl_topr.loss import LOSS_NORMALIZATIONS, LOSS_TYPES, RATIO_LEVELS, clamped_ratios, effective_sample_size
 
 
 # Three sequences of lengths 3, 2, 1 (right-padded): a positive, a negative, a negative.
@@ -128,6 +128,46 @@ def test_tapered_negatives_are_counted_only_when_materially_below_one():
     )
     assert metrics["negative_tapered_fraction"].item() == pytest.approx(1 / 3)
     assert metrics["negative_weight_mean"].item() < 1.0  # every one of them is below 1
+
+
+@pytest.mark.parametrize(
+    "loss_type, clamped",
+    # log-ratios 0 (on-policy), 0.005 (float noise above 1), 1 and -1, for a positive and a negative each
+    [
+        ("topr", [0, 0, 0, 0, 0, 0, 1, 0]),  # negatives above 1 only: positives keep weight 1, never a ratio
+        ("tis", [0, 0, 0, 0, 1, 0, 1, 0]),  # both signs above 1
+        ("reinforce", [0] * 8),  # weight 1 whatever the ratio
+        ("positives_only", [0] * 8),  # negatives dropped whatever the ratio
+        ("ppo_clip", [0, 0, 0, 0, 1, 0, 0, 1]),  # past 1.2 for a positive, under 0.8 for a negative
+    ],
+)
+def test_clamped_fraction_counts_ratios_the_window_clamps(loss_type, clamped):
+    log_ratio = torch.tensor([0.0, 0.0, 0.005, 0.005, 1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
+    advantages = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0, 1.0, -1.0, -1.0], dtype=torch.float64)
+    assert clamped_ratios(log_ratio, advantages, loss_type=loss_type).tolist() == [bool(c) for c in clamped]
+    # topr_loss's metric is their fraction (per-token logps 0 make log pi = 0, so mu sets the log-ratio)
+    _, metrics = topr_loss(
+        torch.zeros(8, 1, dtype=torch.float64),
+        torch.ones(8, 1, dtype=torch.bool),
+        advantages,
+        -log_ratio,
+        loss_type=loss_type,
+    )
+    assert metrics["clamped_fraction"].item() == pytest.approx(sum(clamped) / 8)
+
+
+def test_effective_sample_size_is_one_on_policy_and_finite_for_any_log_ratio():
+    assert effective_sample_size(torch.zeros(8)) == pytest.approx(1.0)
+    w = torch.tensor([1.0, 2.0, 4.0], dtype=torch.float64)
+    assert effective_sample_size(w.log()) == pytest.approx((w.sum() ** 2 / (3 * (w * w).sum())).item())
+    for huge in (1e4, -1e4, 1e30):  # one ratio far above or below the rest: no overflow, no NaN
+        value = effective_sample_size(torch.tensor([0.0, 0.0, huge], dtype=torch.float64))
+        assert math.isfinite(value) and 1 / 3 - 1e-9 <= value <= 1.0
+    assert math.isnan(effective_sample_size(torch.zeros(0)))
+    _, metrics = topr_loss(
+        torch.zeros(3, 1), torch.ones(3, 1, dtype=torch.bool), torch.tensor([1.0, -1.0, 1.0]), -w.log().float()
+    )
+    assert metrics["effective_sample_size"].item() == pytest.approx(effective_sample_size(w.log()), rel=1e-5)
 
 
 def test_sequence_sums_and_per_token_behavior_agree():

@@ -115,4 +115,13 @@ def test_metrics_by_age_measure_the_log_ratio_taper_and_weight_share(tiny_model_
     total = 2 + math.exp(-2) + 2
     assert metrics["age_0/weight_share"] == pytest.approx(2 / total, rel=1e-4)
     assert metrics["age_1/weight_share"] == pytest.approx((math.exp(-2) + 2) / total, rel=1e-4)
+    # the clamp: of TOPR's windows only the negatives' uses the ratio; the negative at e (above 1) is clamped
+    assert metrics["age_0/clamped_fraction"] == 0.0 and metrics["age_1/clamped_fraction"] == pytest.approx(1 / 3)
+    assert metrics["clamped_fraction"] == pytest.approx(1 / 5)
+    # effective sample size of the raw ratios: 1 for age 0 (every ratio 1), (sum w)^2 / (n sum w^2) for age 1
+    w = [math.exp(-2), math.e, math.exp(-3)]
+    assert metrics["age_0/effective_sample_size"] == pytest.approx(1.0, abs=1e-4)
+    assert metrics["age_1/effective_sample_size"] == pytest.approx(sum(w) ** 2 / (3 * sum(x * x for x in w)), rel=1e-4)
+    w += [1.0, 1.0]
+    assert metrics["effective_sample_size"] == pytest.approx(sum(w) ** 2 / (5 * sum(x * x for x in w)), rel=1e-4)
     assert json.loads(json.dumps(metrics)) == metrics  # written to metrics.jsonl as is

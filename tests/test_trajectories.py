@@ -199,8 +199,8 @@ def four_places(model_path: str, tmp_path, padding_free: bool) -> dict[str, bool
             for p, c, v, r in zip(dataset["prompt"], dataset["completion"], expected, dataset["reward"])
         ]
     )
-    replay = metrics_by_age(model, recorded, 1, args, 0.0, tokenizer)
-    places["replay"] = abs(replay["age_0/log_ratio_mean"]) < 1e-3 and abs(replay["age_0/log_ratio_min"]) < 1e-3
+    replay = metrics_by_age(model, recorded, 2, args, 0.0, tokenizer)  # replayed a round later by the same policy
+    places["replay"] = abs(replay["age_1/log_ratio_mean"]) < 1e-3 and abs(replay["age_1/log_ratio_min"]) < 1e-3
     return places
 
 

@@ -25,7 +25,8 @@ def evaluate_policy(
     bf16: bool | None = None,
     tools: list[Callable] | None = None,
     max_tool_calling_iterations: int | None = None,
-) -> dict[str, float]:
+    return_per_prompt: bool = False,
+) -> dict[str, float] | tuple[dict[str, float], list[dict[str, int]]]:
     """
     Accuracy and validity of a policy's answers, as the TOPR paper reports them: greedy decoding, then
     `sampling.num_samples` samples per prompt.
@@ -59,6 +60,10 @@ def evaluate_policy(
             a trajectory ([`~trl_topr.tool_calling.generate_trajectories`]).
         max_tool_calling_iterations (`int`, *optional*):
             The most rounds of tool calls of a trajectory; `None` for no limit but the length.
+        return_per_prompt (`bool`, *optional*, defaults to `False`):
+            Also return each prompt's outcome, in the dataset's order: `{"greedy_correct": 0 or 1, "correct": the
+            number of its k samples that are correct, "invalid": the number without a final answer}`. Paired
+            comparisons of two policies on the same prompts (a bootstrap over prompts) need them.
 
     Returns:
         `dict[str, float]`: `pass@1_greedy` (greedy accuracy), `pass@1` (mean accuracy of the samples),
@@ -66,7 +71,8 @@ def evaluate_policy(
         without a final answer), `invalid_rate_greedy`, and two signs of degeneration: `truncated_rate` (share of
         samples that reach `max_new_tokens` without ending) and `mean_length` (mean sample length in tokens). With
         `tools`, also `tool_call_rate` and `tool_call_rate_greedy` (tool calls per sample) and `tool_failure_rate`
-        (failed calls per sample); the lengths count the tools' results too.
+        (failed calls per sample); the lengths count the tools' results too. With `return_per_prompt`, the tuple
+        `(metrics, per_prompt)`.
     """
     settings = sampling or SamplingSettings(num_samples=4, seed=0)
     if engine is None:
@@ -117,7 +123,7 @@ def evaluate_policy(
             winner is not None and next(sampled_correct[j] for j in group if sampled_answers[j] == winner)
         )
 
-    return {
+    metrics = {
         "pass@1_greedy": _mean(greedy_correct),
         "pass@1": _mean(sampled_correct),
         f"maj@{k}": _mean(majority_correct),
@@ -129,6 +135,17 @@ def evaluate_policy(
         "mean_length": _mean([len(sample) for sample in sampled_ids]),
         **tool_metrics,
     }
+    if not return_per_prompt:
+        return metrics
+    per_prompt = [
+        {
+            "greedy_correct": int(greedy_correct[i]),
+            "correct": sum(sampled_correct[i * k : (i + 1) * k]),
+            "invalid": sum(answer is None for answer in sampled_answers[i * k : (i + 1) * k]),
+        }
+        for i in range(len(prompts))
+    ]
+    return metrics, per_prompt
 
 
 def _mean(values) -> float:

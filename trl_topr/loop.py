@@ -51,6 +51,7 @@ from .trainer import TOPRTrainer
 logger = get_logger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+EVALUATION_FILE = "evaluation"  # round-<r>/evaluation[-<name>].jsonl: each held-out prompt's outcome
 PLOTTED = ("reward", "pass@1", "invalid_rate", "effective_positive_fraction")
 
 
@@ -159,6 +160,7 @@ def run_topr_loop(
     replay_rounds: int = 0,
     callbacks: list[LoopCallback] | None = None,
     tools: list[Callable] | None = None,
+    prompts_per_round: int | None = None,
 ) -> list[dict[str, Any]]:
     """
     Iterative TOPR, as in the paper: each round samples with the current model (mu = that model), scores, curates,
@@ -166,8 +168,9 @@ def run_topr_loop(
 
     Everything goes to `args.output_dir`: `round-<r>/` holds the model after round r, its sampled dataset
     (`samples.jsonl`), the rows it sampled and trained on (`train.jsonl`: curated, with their behavior log-probs) and
-    its training logs (`trainer_state.json`), `metrics.jsonl` one line per completed round (round
-    0 evaluates the initial model) and `metrics.png` their plot. A round counts as completed once its line is written
+    its training logs (`trainer_state.json`) and each held-out prompt's outcome (`evaluation[-<name>].jsonl`, round 0
+    for the initial model), `metrics.jsonl` one line per completed round (round 0 evaluates the initial model) and
+    `metrics.png` their plot. A round counts as completed once its line is written
     (the file is replaced whole, so a kill never leaves half a line): started again, the loop resumes after the last
     completed round, redoing an interrupted one from its start. Under `accelerate launch`, every process runs the loop:
     sampling and evaluation are split across the processes, training is data-parallel, and the main process writes the
@@ -177,7 +180,8 @@ def run_topr_loop(
         model (`str`):
             Id or path of the initial model.
         train_prompts ([`~datasets.Dataset`]):
-            Prompts to sample from each round (`prompt` column plus what the reward functions read).
+            Prompts to sample from (`prompt` column plus what the reward functions read): all of them every round, or
+            the next `prompts_per_round` of them.
         reward_funcs (`Callable`, `list[Callable]` or `dict[str, Callable]`):
             Reward functions with TRL GRPO's signature, see [`sample_completions`].
         args ([`TOPRConfig`]):
@@ -237,6 +241,12 @@ def run_topr_loop(
             Only the tokens the policy generated are trained (the trajectories' `tool_mask`, kept by replay); each
             round records `tools/call_frequency` and `tools/failure_frequency` (calls and failed calls per sample), and
             the evaluation its `tool_call_rate`.
+        prompts_per_round (`int`, *optional*):
+            Sample this many prompts a round, the next ones of `train_prompts` in order (round 1 its first
+            `prompts_per_round`, round 2 the next, ...; past its end it starts again from the top), so that the rounds
+            go through the prompts as epochs do and no prompt comes back before every other one has been sampled, as
+            in the paper's rounds over a whole training set (see [`round_prompts`]). Shuffle `train_prompts` first
+            for a random order. `None` (the default): every prompt, every round.
 
     Returns:
         `list[dict[str, Any]]`: the metrics of every completed round, round 0 included.
@@ -253,6 +263,7 @@ def run_topr_loop(
         args,
         num_rounds,
         replay_rounds,
+        prompts_per_round,
         sampling,
         eval_sampling,
         engine,
@@ -261,6 +272,11 @@ def run_topr_loop(
         answer_func=answer_func,
     )
     _check_prompts_and_rewards(train_prompts, eval_prompts, reward_funcs, reward_weights, correct_func, answer_func)
+    if prompts_per_round is not None and prompts_per_round > len(train_prompts):
+        raise ValueError(
+            f"`prompts_per_round` ({prompts_per_round}) is more than the {len(train_prompts)} train prompts: a round "
+            "would sample some prompts twice. Give at most as many, or `None` for every prompt every round."
+        )
     processing_class = processing_class or AutoTokenizer.from_pretrained(model)
     if tools:
         for prompts in [train_prompts, *_named(eval_prompts).values()]:
@@ -271,12 +287,12 @@ def run_topr_loop(
     log.check_resumable(num_rounds, replay_rounds)  # before anything is written
     engine_of_the_loop = engine is None
 
-    def evaluate(folder: str, policy, training_engine=None) -> dict[str, float]:
+    def evaluate(round_index: int, folder: str, policy, training_engine=None) -> dict[str, float]:
         engine.load_weights(folder, model=policy, training_engine=training_engine)
         metrics = {}
         for name, prompts in _named(eval_prompts).items():
             logger.info(f"Evaluating on {len(prompts)} held-out prompts{f' ({name})' if name else ''}")
-            values = evaluate_policy(
+            values, per_prompt = evaluate_policy(
                 None,
                 processing_class,
                 prompts,
@@ -287,7 +303,9 @@ def run_topr_loop(
                 progress=progress,
                 tools=tools,
                 max_tool_calling_iterations=args.max_tool_calling_iterations,
+                return_per_prompt=True,
             )
+            log.save_evaluation(per_prompt, round_index, name)
             metrics.update({f"{name}/{key}" if name else key: value for key, value in values.items()})
         return metrics
 
@@ -295,7 +313,7 @@ def run_topr_loop(
         if not log.rounds:
             policy = models.load(model)
             engine = engine or generation_engine(policy, processing_class, args)
-            log.record({"round": 0, **evaluate(model, policy)})
+            log.record({"round": 0, **evaluate(0, model, policy)})
             engine.release_weights()
             del policy
         for round_index in range(log.rounds[-1]["round"] + 1, num_rounds + 1):
@@ -303,10 +321,11 @@ def run_topr_loop(
             policy = models.load(previous)
             engine = engine or generation_engine(policy, processing_class, args)
             engine.load_weights(previous, model=policy)
-            logger.info(f"Round {round_index}/{num_rounds}: sampling completions of {len(train_prompts)} prompts")
+            prompts = round_prompts(train_prompts, round_index, prompts_per_round)
+            logger.info(f"Round {round_index}/{num_rounds}: sampling completions of {len(prompts)} prompts")
             samples = sample_completions(
                 policy,
-                train_prompts,
+                prompts,
                 reward_funcs,
                 processing_class=processing_class,
                 reward_weights=reward_weights,
@@ -332,7 +351,7 @@ def run_topr_loop(
                     "round": round_index,
                     **_round_metrics(samples, own, train_data, trainer, train_loss),
                     **ages,
-                    **evaluate(str(round_dir), trainer.model, getattr(trainer, "deepspeed", None)),
+                    **evaluate(round_index, str(round_dir), trainer.model, getattr(trainer, "deepspeed", None)),
                 }
             )
             engine.release_weights()
@@ -345,7 +364,43 @@ def run_topr_loop(
     return read_rounds(str(log.output_dir))
 
 
-def _check_arguments(model, args, num_rounds, replay_rounds, sampling, eval_sampling, engine, **callables) -> None:
+def round_prompts(prompts: Dataset, round_index: int, prompts_per_round: int | None) -> Dataset:
+    """
+    The prompts round `round_index` samples (see [`run_topr_loop`]'s `prompts_per_round`): all of them, or the
+    `prompts_per_round` that follow those of the rounds before it, going through `prompts` in order and starting again
+    from the top past its end.
+
+    Args:
+        prompts ([`~datasets.Dataset`]):
+            The training prompts.
+        round_index (`int`):
+            The round (1, 2, ...).
+        prompts_per_round (`int`, *optional*):
+            Prompts a round; `None` for all of them.
+
+    Returns:
+        [`~datasets.Dataset`]: the round's prompts.
+
+    Example:
+    ```python
+    >>> from datasets import Dataset
+    >>> from trl_topr.loop import round_prompts
+
+    >>> prompts = Dataset.from_dict({"prompt": ["a", "b", "c", "d", "e"]})
+    >>> [round_prompts(prompts, r, 2)["prompt"] for r in (1, 2, 3)]
+    [['a', 'b'], ['c', 'd'], ['e', 'a']]
+
+    ```
+    """
+    if prompts_per_round is None:
+        return prompts
+    start = (round_index - 1) * prompts_per_round
+    return prompts.select([(start + i) % len(prompts) for i in range(prompts_per_round)])
+
+
+def _check_arguments(
+    model, args, num_rounds, replay_rounds, prompts_per_round, sampling, eval_sampling, engine, **callables
+) -> None:
     # The loop's own arguments, before anything is loaded or written
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(
@@ -358,6 +413,10 @@ def _check_arguments(model, args, num_rounds, replay_rounds, sampling, eval_samp
     for name, value in (("num_rounds", num_rounds), ("replay_rounds", replay_rounds)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"`{name}` must be an integer >= 0, got {value!r}.")
+    if prompts_per_round is not None and (
+        not isinstance(prompts_per_round, int) or isinstance(prompts_per_round, bool) or prompts_per_round < 1
+    ):
+        raise ValueError(f"`prompts_per_round` must be an integer >= 1 or None, got {prompts_per_round!r}.")
     for name, value in (("sampling", sampling), ("eval_sampling", eval_sampling)):
         if not isinstance(value, SamplingSettings):
             raise TypeError(
@@ -540,6 +599,13 @@ class _RoundLog:
             rows.to_json(str(partial))
             os.replace(partial, round_dir / TRAIN_ROWS_FILE)
         self.state.wait_for_everyone()  # every process reads it back
+
+    def save_evaluation(self, per_prompt: list[dict[str, int]], round_index: int, name: str) -> None:
+        if self.state.is_main_process:  # each held-out prompt's outcome, in its dataset's order
+            round_dir = self.output_dir / f"round-{round_index}"
+            round_dir.mkdir(parents=True, exist_ok=True)
+            lines = "".join(json.dumps(row) + "\n" for row in per_prompt)
+            (round_dir / f"{EVALUATION_FILE}{'-' + name if name else ''}.jsonl").write_text(lines)
 
     def save_trainer_state(self, trainer: TOPRTrainer, round_dir: Path) -> None:
         if self.state.is_main_process:  # the round's training logs (TOPR's metrics per step), as in a checkpoint

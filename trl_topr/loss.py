@@ -48,6 +48,8 @@ MAX_LOG_RATIO = 20.0
 # A negative counts as tapered when its weight is below this: its ratio 1% or more under 1, not float noise (an
 # on-policy sequence's log-ratio is off 0 by about 1e-6 from one forward to another, which `< 1` counted).
 TAPERED_BELOW = 0.99
+# A weight counts as clamped when its ratio lies 1% or more outside its window (beyond float noise, as above).
+CLAMPED_BEYOND = 1.01
 
 
 def resolve_ratio_bounds(
@@ -185,6 +187,87 @@ def topr_weights(
     )
 
 
+def clamped_ratios(
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    loss_type: str = "topr",
+    positive_ratio_bounds: tuple[float, float] | None = None,
+    negative_ratio_bounds: tuple[float, float] | None = None,
+    epsilon: float = 0.2,
+) -> torch.Tensor:
+    """
+    Which sequences (or tokens) have an importance ratio pi/mu that the loss's window clamps: 1% or more outside a
+    window that uses the ratio (`a < b`: TOPR's negatives and TIS above 1, IS past its `MAX_LOG_RATIO` cap), or, for
+    `loss_type="ppo_clip"`, where its surrogate is clipped (past `1 + epsilon` for a positive, under `1 - epsilon` for
+    a negative: no gradient). A fixed weight (`a = b`: TOPR's and REINFORCE's weight 1,
+    positives-only's 0 for negatives) does not use the ratio and is never clamped.
+
+    Args:
+        log_ratio (`torch.Tensor`):
+            Log of the importance ratio pi/mu, any shape.
+        advantages (`torch.Tensor`):
+            `R - c`, broadcastable to `log_ratio`. Its sign selects the window.
+        loss_type (`str`, *optional*, defaults to `"topr"`):
+            Preset of the windows, see [`topr_loss`].
+        positive_ratio_bounds (`tuple[float, float]`, *optional*):
+            Custom window for `R - c >= 0`.
+        negative_ratio_bounds (`tuple[float, float]`, *optional*):
+            Custom window for `R - c < 0`.
+        epsilon (`float`, *optional*, defaults to `0.2`):
+            Trust region of `loss_type="ppo_clip"`.
+
+    Returns:
+        `torch.Tensor`: a boolean tensor shaped like `log_ratio`.
+    """
+    positive = advantages >= 0
+    if loss_type == "ppo_clip":
+        inside = torch.where(positive, log_ratio <= math.log1p(epsilon), log_ratio >= math.log1p(-epsilon))
+        return ~inside
+    margin = math.log(CLAMPED_BEYOND)
+
+    def outside(bounds: tuple[float, float]) -> torch.Tensor:
+        low, high = bounds
+        if low == high:
+            return torch.zeros_like(log_ratio, dtype=torch.bool)
+        above = log_ratio > min(math.log(high), MAX_LOG_RATIO) + margin
+        return above | (log_ratio < math.log(low) - margin) if low > 0 else above
+
+    positive_bounds, negative_bounds = resolve_ratio_bounds(loss_type, positive_ratio_bounds, negative_ratio_bounds)
+    return torch.where(positive, outside(positive_bounds), outside(negative_bounds))
+
+
+def effective_sample_size(log_ratio: torch.Tensor) -> float:
+    """
+    Effective sample size of importance weights, as a fraction of their number: `(sum w)^2 / (n sum w^2)` with
+    `w = pi/mu`, in `(0, 1]`. It is 1 on-policy (every ratio equal) and falls towards `1/n` as a few ratios dominate;
+    computed in log space, so any log-ratio gives a finite value.
+
+    Args:
+        log_ratio (`torch.Tensor`):
+            Logs of the importance ratios pi/mu, any shape (every element is one weight).
+
+    Returns:
+        `float`: the fraction, `nan` for no weights.
+
+    Example:
+    ```python
+    >>> import torch
+    >>> from trl_topr.loss import effective_sample_size
+
+    >>> effective_sample_size(torch.zeros(4))  # on-policy: every weight 1
+    1.0
+    >>> round(effective_sample_size(torch.tensor([0.0, 0.0, 0.0, 50.0])), 6)  # one weight dominates: 1 of 4
+    0.25
+
+    ```
+    """
+    values = log_ratio.detach().double().flatten()
+    if values.numel() == 0:
+        return math.nan
+    return (2 * torch.logsumexp(values, 0) - torch.logsumexp(2 * values, 0)).exp().item() / values.numel()
+
+
 def topr_loss(
     per_token_logps: torch.Tensor,
     completion_mask: torch.Tensor,
@@ -298,14 +381,15 @@ def topr_loss(
             log_ratio = sequence_log_ratio / lengths.clamp(min=1)
         else:
             log_ratio = sequence_log_ratio
-        weights = topr_weights(
-            log_ratio,
-            advantages if ratio_level != "token" else advantages[:, None],
-            loss_type=loss_type,
-            positive_ratio_bounds=positive_ratio_bounds,
-            negative_ratio_bounds=negative_ratio_bounds,
-            epsilon=epsilon,
-        )
+        windows = {
+            "loss_type": loss_type,
+            "positive_ratio_bounds": positive_ratio_bounds,
+            "negative_ratio_bounds": negative_ratio_bounds,
+            "epsilon": epsilon,
+        }
+        item_advantages = advantages if ratio_level != "token" else advantages[:, None]
+        weights = topr_weights(log_ratio, item_advantages, **windows)
+        clamped = clamped_ratios(log_ratio, item_advantages, **windows)
 
     # Per-token objective sg(alpha) (R - c) log pi, zero outside the completion.
     token_weights = weights if ratio_level == "token" else weights[:, None]
@@ -319,7 +403,7 @@ def topr_loss(
     else:
         loss = -per_token_objective.sum(-1).mean()
 
-    metrics = _metrics(rewards, advantages, baseline, weights, log_ratio, mask, lengths, ratio_level)
+    metrics = _metrics(rewards, advantages, baseline, weights, log_ratio, clamped, mask, lengths, ratio_level)
     return loss, metrics
 
 
@@ -336,6 +420,9 @@ METRIC_SUPPORT = {
     "negative_tapered_fraction": "count/negative_items",
     "negative_weight_share": "count/weighted_abs_advantage",
     "log_ratio_mean": "count/items",
+    "clamped_fraction": "count/items",
+    # each batch's own effective sample size (the weights of one update), averaged over the batches by their items
+    "effective_sample_size": "count/items",
     "entropy": "count/tokens",  # logged by the trainers
 }
 
@@ -388,7 +475,9 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _metrics(rewards, advantages, baseline, weights, log_ratio, mask, lengths, ratio_level) -> dict[str, torch.Tensor]:
+def _metrics(
+    rewards, advantages, baseline, weights, log_ratio, clamped, mask, lengths, ratio_level
+) -> dict[str, torch.Tensor]:
     positive = (advantages >= 0).to(mask.dtype)
     negative = 1.0 - positive
     absolute = advantages.abs().sum()
@@ -413,6 +502,8 @@ def _metrics(rewards, advantages, baseline, weights, log_ratio, mask, lengths, r
         "log_ratio_mean": valid_log_ratio.mean() if valid_log_ratio.numel() else nan,
         "log_ratio_min": valid_log_ratio.min() if valid_log_ratio.numel() else nan,
         "log_ratio_max": valid_log_ratio.max() if valid_log_ratio.numel() else nan,
+        "clamped_fraction": _masked_mean(clamped.to(mask.dtype), valid),
+        "effective_sample_size": log_ratio.new_tensor(effective_sample_size(valid_log_ratio)),
         "completion_length": lengths.mean(),
         # what the means above average over (items are sequences, or tokens for `ratio_level="token"`)
         "count/sequences": lengths.new_tensor(float(lengths.numel())),

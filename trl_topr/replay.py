@@ -11,7 +11,7 @@ from datasets import Dataset
 
 from .data import BEHAVIOR_LOGPS, COMPLETION_IDS, PROMPT_IDS, REWARD, TOOL_MASK, TOPRDataError
 from .logprobs import behavior_logps, completion_row, logps_settings
-from .loss import TAPERED_BELOW, topr_weights
+from .loss import TAPERED_BELOW, clamped_ratios, effective_sample_size, topr_weights
 
 
 TRAIN_ROWS_FILE = "train.jsonl"
@@ -131,9 +131,13 @@ def metrics_by_age(
 ) -> dict[str, float]:
     """
     Per sample age (0: sampled this round, k: k rounds ago), at the start of the round's training: the rows, the
-    mean and smallest sequence log-ratio log pi - log mu (pi: the round's starting policy; mu: the recorded behavior
-    log-probs), the mean raw importance ratio pi/mu before truncation, the fraction of negatives whose weight is
-    tapered (below 0.99), and the age's share of the total weight x |R - c|.
+    mean and smallest sequence log-ratio log pi - log mu (mu: the recorded behavior log-probs; pi: the round's
+    starting policy, computed for the replayed rows, while the rows of age 0 were sampled by that policy, so their
+    log-ratio is 0: pi = mu, up to the sampler's numerics where mu is vLLM's own), the mean raw importance ratio pi/mu
+    before truncation, the fraction of negatives whose weight is tapered (below 0.99), the fraction of rows whose
+    ratio the loss's window clamps ([`~trl_topr.loss.clamped_ratios`]), the effective sample size of the raw ratios
+    ([`~trl_topr.loss.effective_sample_size`]) and the age's share of the total weight x |R - c|; and the effective
+    sample size and clamped fraction of all the rows.
 
     Args:
         policy ([`~transformers.PreTrainedModel`]):
@@ -154,25 +158,34 @@ def metrics_by_age(
 
     Returns:
         `dict[str, float]`: `age_<k>/rows`, `age_<k>/log_ratio_mean`, `age_<k>/log_ratio_min`, `age_<k>/ratio_mean`,
-        `age_<k>/negative_tapered_fraction` (`nan` without negatives) and `age_<k>/weight_share`.
+        `age_<k>/negative_tapered_fraction` (`nan` without negatives), `age_<k>/clamped_fraction`,
+        `age_<k>/effective_sample_size` and `age_<k>/weight_share`; `effective_sample_size` and `clamped_fraction`.
     """
+    # The rows sampled this round were sampled by this very policy (pi = mu): only the replayed ones need a forward
     masks = rows[TOOL_MASK] if TOOL_MASK in rows.column_names else [None] * len(rows)
-    tokenized = [completion_row(*row) for row in zip(rows[PROMPT_IDS], rows[COMPLETION_IDS], masks, strict=True)]
+    replayed = [i for i, sampled in enumerate(rows[SAMPLE_ROUND]) if sampled < round_index]
+    tokenized = [completion_row(rows[PROMPT_IDS][i], rows[COMPLETION_IDS][i], masks[i]) for i in replayed]
     settings = logps_settings(args, processing_class, next(policy.parameters()).device, batch_size=batch_size)
-    pi = behavior_logps(policy, tokenized, settings)
-    log_ratio = torch.tensor([math.fsum(p) - math.fsum(m[: len(p)]) for p, m in zip(pi, rows[BEHAVIOR_LOGPS])])
+    pi = behavior_logps(policy, tokenized, settings) if replayed else []
+    log_ratio = torch.zeros(len(rows), dtype=torch.float64)
+    mu = rows[BEHAVIOR_LOGPS]
+    for i, values in zip(replayed, pi, strict=True):
+        log_ratio[i] = math.fsum(values) - math.fsum(mu[i][: len(values)])
     advantages = torch.tensor(rows[REWARD], dtype=torch.float64) - baseline
-    weights = topr_weights(
-        log_ratio,
-        advantages,
-        loss_type=args.loss_type,
-        epsilon=args.epsilon,
-        positive_ratio_bounds=args.positive_ratio_bounds,
-        negative_ratio_bounds=args.negative_ratio_bounds,
-    )
+    windows = {
+        "loss_type": args.loss_type,
+        "epsilon": args.epsilon,
+        "positive_ratio_bounds": args.positive_ratio_bounds,
+        "negative_ratio_bounds": args.negative_ratio_bounds,
+    }
+    weights = topr_weights(log_ratio, advantages, **windows)
+    clamped = clamped_ratios(log_ratio, advantages, **windows).double()
     mass = weights * advantages.abs()
     ages = torch.tensor([round_index - r for r in rows[SAMPLE_ROUND]])
-    metrics = {}
+    metrics = {
+        "effective_sample_size": effective_sample_size(log_ratio),
+        "clamped_fraction": clamped.mean().item(),
+    }
     for age in sorted(set(ages.tolist())):
         at = ages == age
         negatives = at & (advantages < 0)
@@ -185,6 +198,8 @@ def metrics_by_age(
                 f"age_{age}/negative_tapered_fraction": (weights[negatives] < TAPERED_BELOW).double().mean().item()
                 if negatives.any()
                 else math.nan,
+                f"age_{age}/clamped_fraction": clamped[at].mean().item(),
+                f"age_{age}/effective_sample_size": effective_sample_size(log_ratio[at]),
                 f"age_{age}/weight_share": (mass[at].sum() / mass.sum()).item() if mass.sum() > 0 else math.nan,
             }
         )

@@ -1,0 +1,82 @@
+"""Paired comparisons of two arms of the iterative benchmark: the arms share each seed's starting point and the test
+prompts, so their difference is taken seed by seed and prompt by prompt, and its 95% interval comes from a bootstrap
+over the seeds and the test prompts together. A reading says "above" or "below" only where the interval excludes 0,
+and "tied" where it does not."""
+
+from dataclasses import dataclass
+
+
+BOOTSTRAP_DRAWS = 10_000
+CONFIDENCE = 0.95
+
+
+@dataclass(frozen=True)
+class Difference:
+    """The difference of two arms on one measure (the first minus the second), paired by seed and test prompt.
+
+    Args:
+        estimate (`float`):
+            The mean over seeds and prompts of the paired differences.
+        low (`float`), high (`float`):
+            The 95% percentile interval of the bootstrap over seeds and prompts.
+        by_seed (`list[float]`):
+            Each seed's difference (the mean over the prompts).
+    """
+
+    estimate: float
+    low: float
+    high: float
+    by_seed: list[float]
+
+    @property
+    def reading(self) -> str:
+        """ "above" or "below" where the interval excludes 0, else "tied"."""
+        return "above" if self.low > 0 else "below" if self.high < 0 else "tied"
+
+    def text(self) -> str:
+        """ "+0.012 [+0.004, +0.021]"."""
+        return f"{self.estimate:+.3f} [{self.low:+.3f}, {self.high:+.3f}]"
+
+
+def prompt_scores(run: list[dict], rounds: list[int], k: int) -> list[float]:
+    """Each test prompt's sampled pass@1 (its correct samples over `k`), averaged over `rounds` of a run (one round:
+    that round's)."""
+    missing = [r for r in rounds if run[r].get("test/correct") is None]
+    if missing:
+        raise ValueError(f"rounds {missing} of the run have no per-prompt test outcomes (`test/correct`)")
+    per_round = [run[r]["test/correct"] for r in rounds]
+    return [sum(outcomes) / (k * len(rounds)) for outcomes in zip(*per_round, strict=True)]
+
+
+def paired_difference(
+    first: list[list[dict]], second: list[list[dict]], rounds: list[int], k: int, draws: int = BOOTSTRAP_DRAWS
+) -> Difference:
+    """
+    The difference of two arms' test sampled pass@1, averaged over `rounds` (the area over the tested rounds, or one
+    round), paired by seed (the i-th run of each arm) and by test prompt, with a 95% bootstrap interval: each draw
+    takes as many seeds and as many prompts as there are, with replacement, and averages the paired differences over
+    them. The draws are seeded: the same runs give the same interval.
+    """
+    import numpy as np
+
+    if len(first) != len(second) or not first:
+        raise ValueError(f"paired runs needed: {len(first)} and {len(second)} seeds")
+    table = np.array(
+        [
+            np.array(prompt_scores(x, rounds, k)) - np.array(prompt_scores(y, rounds, k))
+            for x, y in zip(first, second, strict=True)
+        ]
+    )
+    seeds, prompts = table.shape
+    rng = np.random.default_rng(0)
+    seed_counts = rng.multinomial(seeds, [1 / seeds] * seeds, size=draws)  # draws x seeds
+    prompt_counts = rng.multinomial(prompts, [1 / prompts] * prompts, size=draws)  # draws x prompts
+    drawn = ((seed_counts @ table) * prompt_counts).sum(axis=1) / (seeds * prompts)
+    tail = (1 - CONFIDENCE) / 2
+    low, high = np.quantile(drawn, [tail, 1 - tail])
+    return Difference(
+        estimate=float(table.mean()),
+        low=float(low),
+        high=float(high),
+        by_seed=[float(v) for v in table.mean(axis=1)],
+    )
