@@ -57,26 +57,37 @@ def paired_difference(
     takes as many seeds and as many prompts as there are, with replacement, and averages the paired differences over
     them. The draws are seeded: the same runs give the same interval.
     """
-    import numpy as np
-
     if len(first) != len(second) or not first:
         raise ValueError(f"paired runs needed: {len(first)} and {len(second)} seeds")
-    table = np.array(
-        [
-            np.array(prompt_scores(x, rounds, k)) - np.array(prompt_scores(y, rounds, k))
-            for x, y in zip(first, second, strict=True)
-        ]
-    )
-    seeds, prompts = table.shape
+    table = [
+        [a - b for a, b in zip(prompt_scores(x, rounds, k), prompt_scores(y, rounds, k), strict=True)]
+        for x, y in zip(first, second, strict=True)
+    ]
+    return bootstrap(table, draws)
+
+
+def arm_interval(runs: list[list[dict]], rounds: list[int], k: int, draws: int = BOOTSTRAP_DRAWS) -> Difference:
+    """One arm's test sampled pass@1 averaged over `rounds`, with the same 95% bootstrap interval over its seeds and
+    the test prompts (a `Difference` from 0: `by_seed` holds each seed's value)."""
+    return bootstrap([prompt_scores(run, rounds, k) for run in runs], draws)
+
+
+def bootstrap(table: list[list[float]], draws: int = BOOTSTRAP_DRAWS) -> Difference:
+    """The mean of a seeds x prompts table with its 95% percentile interval: each of `draws` seeded draws takes as many
+    seeds and as many prompts as there are, with replacement, and averages the table over them."""
+    import numpy as np
+
+    values = np.array(table, dtype=float)
+    seeds, prompts = values.shape
     rng = np.random.default_rng(0)
     seed_counts = rng.multinomial(seeds, [1 / seeds] * seeds, size=draws)  # draws x seeds
     prompt_counts = rng.multinomial(prompts, [1 / prompts] * prompts, size=draws)  # draws x prompts
-    drawn = ((seed_counts @ table) * prompt_counts).sum(axis=1) / (seeds * prompts)
+    drawn = ((seed_counts @ values) * prompt_counts).sum(axis=1) / (seeds * prompts)
     tail = (1 - CONFIDENCE) / 2
     low, high = np.quantile(drawn, [tail, 1 - tail])
     return Difference(
-        estimate=float(table.mean()),
+        estimate=float(values.mean()),
         low=float(low),
         high=float(high),
-        by_seed=[float(v) for v in table.mean(axis=1)],
+        by_seed=[float(v) for v in values.mean(axis=1)],
     )

@@ -33,6 +33,7 @@ from pathlib import Path
 import iterative_report
 import learning
 import memory
+import paired as paired_stats
 from arms import ARMS
 from ledger import Ledger
 
@@ -504,18 +505,113 @@ def iterative_start(folder: str, key: str, method: str = "topr") -> str:
     return f"{mean(at(run[0], key) for run in load(folder)['methods'][method]['runs']):.3f}"
 
 
-def iterative_difference_se(folder: str, scale: str, independent: bool = False) -> str:
-    """The standard error of a difference between two arms' test sampled pass@1, at the starting model's pass@1 `p`
-    (mean over every run's round 0), over the scale's `n` test prompts with `k` samples each: at most
-    sqrt(2 p (1 - p) / n) (a prompt's samples all alike: the prompts are the only draws), at least
-    sqrt(2 p (1 - p) / (n k)) with `independent` (every sample a draw of its own). Two arms evaluated on the same
-    prompts differ by less than the first bound when their errors fall on the same prompts."""
-    import iterative  # the scale's test split size: results.json keeps the split itself out of its settings
+def arm_runs(folder: str, method: str, lr: float | None = None) -> list[list[dict]]:
+    """An arm's runs, seed by seed: at its chosen rate (`results.json`), or at `lr` from the ledger (every seed run
+    there, in seed order)."""
+    if lr is None:
+        return load(folder)["methods"][method]["runs"]
+    finished = ledger(folder)
+    return [e["rounds"] for seed in range(load(folder)["settings"]["seeds"]) if (e := finished.get(method, lr, seed))]
 
+
+def tested_rounds(folder: str) -> list[int]:
+    """The rounds from 1 on at which a scale evaluated its test split (every round, or its `test_rounds`)."""
+    settings = load(folder)["settings"]
+    return [r for r in range(1, settings["rounds"] + 1) if r in (settings.get("test_rounds") or range(r + 1))]
+
+
+PAIRED: dict[tuple, paired_stats.Difference] = {}  # the bootstraps computed so far (the docs quote each several times)
+
+
+def paired(folder: str, first: str, second: str, which: str = "area", lrs: tuple = (None, None)):
+    """The paired difference of two arms' test sampled pass@1 (`first` minus `second`, `paired.paired_difference`):
+    `which` is "area" (the mean over the tested rounds from 1 on) or "last" (the last round); `lrs` picks rates other
+    than the chosen ones (from the ledger)."""
+    key = (folder, first, second, which, lrs)
+    if key not in PAIRED:
+        rounds = tested_rounds(folder) if which == "area" else tested_rounds(folder)[-1:]
+        a, b = arm_runs(folder, first, lrs[0]), arm_runs(folder, second, lrs[1])
+        PAIRED[key] = paired_stats.paired_difference(a, b, rounds, load(folder)["settings"]["k"])
+    return PAIRED[key]
+
+
+def arm_label(method: str, lr: float | None) -> str:
+    return method if lr is None else f"{method} at {rate_text(lr)}"
+
+
+def iterative_paired(folder: str, pairs: list[tuple]) -> str:
+    """Paired differences of arms (first minus second), over the tested rounds from 1 on and after the last round: the
+    estimate with its 95% bootstrap interval over seeds and test prompts, the reading, and each seed's difference.
+    A pair is `(first, second)` at their chosen rates, or `(first, second, lr_first, lr_second)`."""
+    lines = [
+        "| first | second | mean over the tested rounds | reading | by seed | after the last round | reading "
+        "| by seed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for first, second, *lrs in pairs:
+        lrs = tuple(lrs) or (None, None)
+        cells = []
+        for which in ("area", "last"):
+            d = paired(folder, first, second, which, lrs)
+            cells += [d.text(), d.reading, " / ".join(f"{v:+.3f}" for v in d.by_seed)]
+        lines.append(f"| {arm_label(first, lrs[0])} | {arm_label(second, lrs[1])} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def iterative_difference(folder: str, first: str, second: str, which: str = "area", *lrs) -> str:
+    """One paired difference, with its interval: "+0.020 [+0.010, +0.031]"."""
+    return paired(folder, first, second, which, tuple(lrs) or (None, None)).text()
+
+
+def iterative_unsolved(folder: str, method: str, lr: float | None = None) -> str:
+    """After the last round, seed by seed: the test prompts none of whose k samples was correct, and of those the
+    ones whose greedy answer was wrong too: "12 (12 greedy) / 0 (0) / 12 (12) of 128"."""
+    runs = arm_runs(folder, method, lr)
+    cells = []
+    for run in runs:
+        last = run[-1]
+        never = [i for i, c in enumerate(last["test/correct"]) if c == 0]
+        cells.append(f"{len(never)} ({sum(last['test/greedy_correct'][i] == 0 for i in never)})")
+    return " / ".join(cells) + f" of {len(runs[0][-1]['test/correct'])}"
+
+
+def iterative_curves(folder: str, methods: list[str] | None = None) -> str:
+    """Learning curves with intervals: each arm's test sampled pass@1 after every tested round (round 0: the starting
+    model), the mean over seeds and test prompts with its 95% bootstrap interval over both."""
     results = load(folder)
-    p = mean(at(run[0], "pass@1") for entry in results["methods"].values() for run in entry["runs"])
-    draws = iterative.SCALES[scale]["test"] * (results["settings"]["k"] if independent else 1)
-    return f"{(2 * p * (1 - p) / draws) ** 0.5:.3f}"
+    rounds = [0, *tested_rounds(folder)]
+    lines = ["| method | rate | " + " | ".join(f"r{r}" for r in rounds) + " |", "|---|---|" + "---|" * len(rounds)]
+    for method in methods or results["methods"]:
+        runs, k = arm_runs(folder, method), results["settings"]["k"]
+        cells = []
+        for r in rounds:
+            d = paired_stats.arm_interval(runs, [r], k)
+            cells.append(f"{d.estimate:.3f} [{d.low:.3f}, {d.high:.3f}]")
+        lines.append(f"| {method} | {rate_text(results['methods'][method]['lr'])} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def iterative_to_threshold(folder: str, gains: tuple[float, ...]) -> str:
+    """Completions sampled until each seed's test sampled pass@1 first reached the start plus each gain (the start:
+    the starting model's mean over every run), at the tested rounds, seed by seed ("-": not within the run)."""
+    results = load(folder)
+    start = mean(at(run[0], "pass@1") for entry in results["methods"].values() for run in entry["runs"])
+    header = ["method", "rate", *[f"to {start + g:.3f} (start + {g:g}), by seed" for g in gains]]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for method, entry in results["methods"].items():
+        cells = [
+            " / ".join(str(iterative_report.first_reaching(run, start + g) or "-") for run in entry["runs"])
+            for g in gains
+        ]
+        lines.append(f"| {method} | {rate_text(entry['lr'])} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def iterative_seed_differences(folder: str, first: str, second: str) -> str:
+    """Two arms' difference seed by seed (first minus second), their test sampled pass@1 averaged over the tested
+    rounds from 1 on: for results that kept no per-prompt outcomes, where no interval over the prompts exists."""
+    pairs = zip(arm_runs(folder, first), arm_runs(folder, second), strict=True)
+    return " / ".join(f"{area(a) - area(b):+.3f}" for a, b in pairs)
 
 
 def embedded_rounds(folder: str) -> list[dict]:
@@ -827,12 +923,12 @@ QUOTES: dict[str, tuple] = {
     "iterative-real.time": (iterative_time, "iterative-real"),
     "iterative-real.start": (iterative_start, "iterative-real", "pass@1", "positives_only"),
     "iterative-real.start_greedy": (iterative_start, "iterative-real", "pass@1_greedy", "positives_only"),
-    "iterative-real.se": (iterative_difference_se, "iterative-real", "real"),
-    "iterative-real.se_independent": (iterative_difference_se, "iterative-real", "real", True),
-    **{
-        f"iterative-real.area.{method}": (iterative_area, "iterative-real", method)
-        for method in ("positives_only", "positives_only+replay", "topr_peff0.8+replay", "topr+replay", "grpo")
-    },
+    "iterative-real.seed_differences": (
+        iterative_seed_differences,
+        "iterative-real",
+        "positives_only+replay",
+        "topr_peff0.8+replay",
+    ),
     # the real scale's on-policy rows, recorded before the replay arms and the protocol's fixes
     f"{BEFORE}.start": (iterative_start, BEFORE, "pass@1"),
     f"{BEFORE}.start_invalid": (iterative_start, BEFORE, "invalid_rate"),
