@@ -4,7 +4,6 @@ records the command and the commit that produced it (benchmarks/report.py, bench
 import importlib.util
 import json
 import re
-import statistics
 import subprocess
 import sys
 from pathlib import Path
