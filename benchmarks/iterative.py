@@ -246,9 +246,27 @@ def training_args(setting: dict, out: Path, lr: float, seed: int, **overrides) -
     }
 
 
-def sampling(setting: dict, seed: int | None = None) -> dict:
-    kwargs = {"temperature": 1.0, "top_k": 0, "max_new_tokens": setting["max_new_tokens"], "batch_size": 32}
-    return kwargs if seed is None else {**kwargs, "seed": seed}
+def loop_config(setting: dict, use_vllm: bool, method: str | None = None):
+    """The loop's configuration of a run of `method` (its rounds, replay and curation; without a method, what an
+    evaluation needs): temperature 1 and top-k off, so that mu is the model itself; with vLLM, mu is vLLM's own
+    log-probs where the scale asks for them (no second forward over every sample, as GRPO does)."""
+    from trl_topr import TOPRLoopConfig
+
+    arm = ARMS[method] if method else None
+    return TOPRLoopConfig(
+        num_rounds=setting["rounds"],
+        replay_rounds=setting["replay"] if arm and arm.replay else 0,
+        prompts_per_round=setting["prompts"] if setting.get("fresh_prompts") else None,
+        curation=arm.curate if arm else None,
+        num_generations=setting["num_samples"],
+        num_generations_eval=setting["k"],
+        temperature=1.0,
+        top_k=0,
+        max_completion_length=setting["max_new_tokens"],
+        sampling_batch_size=32,
+        use_vllm=use_vllm,
+        behavior_logps_source="sampler" if use_vllm and setting.get("sampler_logps") else "trainer",
+    )
 
 
 # ------------------------------------------------------------------------------------------------------------ the runs
@@ -260,35 +278,18 @@ def held_out(setting: dict) -> dict:
 
 def run_loop(method: str, setting: dict, lr: float, seed: int, folder: Path, use_vllm: bool) -> None:
     """Go on with a loop method's run (the loop resumes after its last completed round)."""
-    import trl_topr
     from trl_topr import TOPRConfig, run_topr_loop
-    from trl_topr.generation import SamplingSettings
 
-    arm = ARMS[method]
-    # mu from vLLM's own log-probs where the scale asks for them (no second forward over every sample), as GRPO does
-    source = {"behavior_logps_source": "sampler"} if use_vllm and setting.get("sampler_logps") else {}
-    args = TOPRConfig(**training_args(setting, folder, lr, seed, use_vllm=use_vllm), **source, **arm.options)
     run_topr_loop(
         setting["model"],
         setting["train"],
         setting["reward"],
-        args,
-        num_rounds=setting["rounds"],
+        loop_config(setting, use_vllm, method),
+        TOPRConfig(**training_args(setting, folder, lr, seed), **ARMS[method].options),
         eval_prompts=held_out(setting),
         correct_func=setting["reward"],
         answer_func=setting["answer"],
-        curate=getattr(trl_topr, arm.curate) if arm.curate else None,
-        sampling=SamplingSettings(num_samples=setting["num_samples"], **sampling(setting)),
-        eval_sampling=SamplingSettings(num_samples=setting["k"], **sampling(setting, seed)),
-        progress=False,
-        replay_rounds=setting["replay"] if arm.replay else 0,
-        prompts_per_round=prompts_per_round(setting),
     )
-
-
-def prompts_per_round(setting: dict) -> int | None:
-    """The prompts a round samples when the scale draws fresh ones every round; None: every prompt, every round."""
-    return setting["prompts"] if setting.get("fresh_prompts") else None
 
 
 def delete_old_weights(folder: Path, rounds: int) -> None:
@@ -305,7 +306,7 @@ def evaluate_test(setting: dict, folder: Path, seed: int, work: Path, use_vllm: 
 
     from trl_topr import TOPRConfig
     from trl_topr.evaluation import evaluate_policy
-    from trl_topr.generation import SamplingSettings, generation_engine
+    from trl_topr.generation import generation_engine
 
     path = folder / "test.jsonl"
     done = {json.loads(line)["round"] for line in path.read_text().splitlines()} if path.exists() else set()
@@ -314,7 +315,8 @@ def evaluate_test(setting: dict, folder: Path, seed: int, work: Path, use_vllm: 
         return
     start = work / f"start-test-seed{seed}.json"
     tokenizer = AutoTokenizer.from_pretrained(setting["model"])
-    engine, eval_sampling = None, SamplingSettings(num_samples=setting["k"], **sampling(setting, seed))
+    loop_args = loop_config(setting, use_vllm)
+    engine, eval_sampling = None, loop_args.eval_sampling(seed)
     try:
         for r in todo:
             if r == 0 and start.exists():
@@ -322,8 +324,8 @@ def evaluate_test(setting: dict, folder: Path, seed: int, work: Path, use_vllm: 
             else:
                 model = setting["model"] if r == 0 else str(folder / f"round-{r}")
                 if engine is None:
-                    args = TOPRConfig(**training_args(setting, folder / "test-engine", 0.0, seed, use_vllm=use_vllm))
-                    engine = generation_engine(model, tokenizer, args)
+                    args = TOPRConfig(**training_args(setting, folder / "test-engine", 0.0, seed))
+                    engine = generation_engine(model, tokenizer, loop_args, args)
                 engine.load_weights(model)
                 metrics, per_prompt = evaluate_policy(
                     None,
@@ -361,7 +363,7 @@ def run_grpo(setting: dict, lr: float, seed: int, folder: Path, use_vllm: bool) 
 
     from trl_topr import TOPRConfig
     from trl_topr.evaluation import evaluate_policy
-    from trl_topr.generation import SamplingSettings, generation_engine
+    from trl_topr.generation import generation_engine
     from trl_topr.generation.vllm_engine import TOPRVLLMGeneration
     from trl_topr.loop import EVALUATION_FILE, round_prompts
 
@@ -369,9 +371,11 @@ def run_grpo(setting: dict, lr: float, seed: int, folder: Path, use_vllm: bool) 
     metrics_file = folder / "metrics.jsonl"
     evaluated = len(metrics_file.read_text().splitlines()) if metrics_file.exists() else 0  # rounds 0, 1, ...
     tokenizer = AutoTokenizer.from_pretrained(setting["model"])
-    engine_args = TOPRConfig(**training_args(setting, folder, lr, seed, use_vllm=use_vllm))
-    engine = generation_engine(setting["model"], tokenizer, engine_args)
-    eval_sampling = SamplingSettings(num_samples=setting["k"], **sampling(setting, seed))
+    loop_args = loop_config(setting, use_vllm)
+    engine = generation_engine(
+        setting["model"], tokenizer, loop_args, TOPRConfig(**training_args(setting, folder, lr, seed))
+    )
+    eval_sampling = loop_args.eval_sampling(seed)
     counted = {}  # what GRPO sampled this round, as its reward function saw it
 
     def reward(prompts, completions, completion_ids, **kwargs) -> list[float]:
@@ -426,7 +430,7 @@ def run_grpo(setting: dict, lr: float, seed: int, folder: Path, use_vllm: bool) 
                     **vllm_args,
                 )
             )
-            prompts = round_prompts(setting["train"], round_index, prompts_per_round(setting))  # the loop's
+            prompts = round_prompts(setting["train"], round_index, loop_args.prompts_per_round)  # the loop's
             with patch.object(grpo_trainer, "VLLMGeneration", TOPRVLLMGeneration) if use_vllm else nullcontext():
                 trainer = GRPOTrainer(previous, reward_funcs=reward, args=args, train_dataset=prompts)
             trainer.remove_callback(PrinterCallback)

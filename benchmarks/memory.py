@@ -93,9 +93,8 @@ def worker(spec: dict) -> None:
     from accelerate import PartialState
     from accelerate.utils import gather_object
 
-    from trl_topr import TOPRConfig, run_topr_loop
+    from trl_topr import TOPRConfig, TOPRLoopConfig, run_topr_loop
     from trl_topr.compat import CHECKPOINTING
-    from trl_topr.generation import SamplingSettings
     from trl_topr.loop import LoopCallback
     from trl_topr.rewards import extract_final_answer, gsm8k_reward
 
@@ -139,27 +138,28 @@ def worker(spec: dict) -> None:
         learning_rate=1e-5,
         logging_steps=1,
         seed=0,
-        use_vllm=spec["engine"] == "vllm",
-        vllm_max_model_length=1024,
         disable_tqdm=True,
         **{CHECKPOINTING: False},
     )
+    loop_args = TOPRLoopConfig(
+        num_rounds=spec["rounds"],
+        num_generations=spec["samples"],
+        max_completion_length=spec["max_new_tokens"],
+        use_vllm=spec["engine"] == "vllm",
+        vllm_max_model_length=1024,
+    )
     # the processes' state as the configuration set it up (on CPU, accelerate's default state is one process)
     path = Path(spec["output_dir"], f"memory-rank{PartialState().process_index}.json")
-    sampling = SamplingSettings(num_samples=spec["samples"], max_new_tokens=spec["max_new_tokens"], batch_size=16)
     try:
         run_topr_loop(
             spec["model"],
             arithmetic(spec["prompts"]),
             gsm8k_reward,
+            loop_args,
             args,
-            num_rounds=spec["rounds"],
             eval_prompts=arithmetic(2, offset=40),
             correct_func=gsm8k_reward,
             answer_func=extract_final_answer,
-            sampling=sampling,
-            eval_sampling=sampling.replace(seed=0),
-            progress=False,
             callbacks=[Measure()],
         )
     except OverBudget as stop:

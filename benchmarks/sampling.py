@@ -254,20 +254,13 @@ def vllm_comparison(model, tokenizer, prompts, work, args, settings) -> tuple[st
     title and table, and its results."""
     import torch
 
-    from trl_topr import TOPRConfig, generate_completions
+    from trl_topr import TOPRLoopConfig, generate_completions
     from trl_topr.generation import SamplingSettings, VLLMEngine
 
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
-    config = TOPRConfig(
-        output_dir=str(Path(work) / "vllm"),
-        use_cpu=not torch.cuda.is_available(),
-        bf16=False,
-        report_to="none",
-        use_vllm=True,
-        vllm_max_model_length=2048,
-    )
+    loop_args = TOPRLoopConfig(use_vllm=True, vllm_max_model_length=2048)
     start = time.perf_counter()
-    engine = VLLMEngine.from_config(model, tokenizer, config)
+    engine = VLLMEngine.from_config(model, tokenizer, loop_args, bf16=False)
     start_s = time.perf_counter() - start
     folder = str(Path(work) / "round")
     model.save_pretrained(folder)

@@ -38,7 +38,7 @@ def worker(arm: str, quick: bool, out: str) -> None:
     from sampling import prompts_and_model  # the README's one-shot arithmetic prompts (vLLM's CPU attention does not
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_topr import TOPRConfig
+    from trl_topr import TOPRLoopConfig
     from trl_topr.generation import SamplingSettings, VLLMEngine, prompt_ids
     # take the tests' tiny Llama: its heads are too small)
 
@@ -47,17 +47,9 @@ def worker(arm: str, quick: bool, out: str) -> None:
         prompts = prompts[:8] if quick else prompts
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        args = TOPRConfig(
-            output_dir=work,
-            use_cpu=True,
-            bf16=False,
-            report_to="none",
-            use_vllm=True,
-            vllm_max_model_length=1024,
-            vllm_enforce_eager=ARMS[arm],
-        )
+        args = TOPRLoopConfig(use_vllm=True, vllm_max_model_length=1024, vllm_enforce_eager=ARMS[arm])
         loaded = time.perf_counter()
-        engine = VLLMEngine.from_config(model, tokenizer, args)
+        engine = VLLMEngine.from_config(model, tokenizer, args, bf16=False)
         up = time.perf_counter()
         ids = [prompt_ids(tokenizer, p) for p in prompts]
         settings = SamplingSettings(num_samples=2 if quick else 4, max_new_tokens=16 if quick else 128, seed=0)

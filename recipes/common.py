@@ -2,6 +2,7 @@
 `trl_topr.tasks`, with its few-shot prompts), the per-round evaluation table, publishing to the Hub, and the progress
 messages. Each recipe imports this module, never another recipe."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import transformers
 from datasets import load_dataset
 from huggingface_hub import HfApi
 
-from trl_topr import TOPRConfig
+from trl_topr import TOPRConfig, TOPRLoopConfig
 from trl_topr.scripts.utils import show_messages
 from trl_topr.tasks import INSTRUCTION, arithmetic_problems, few_shot_prompts, solution_text  # noqa: F401
 
@@ -74,15 +75,16 @@ def publish(
     folder: Path,
     rounds: list[dict],
     script_args,
+    loop_args: TOPRLoopConfig,
     training_args: TOPRConfig,
     title: str = "GSM8K evaluation per round",
     extra: str = "",
     commit_message: str = "TOPR on GSM8K",
 ) -> None:
-    """Add the per-round evaluation (then `extra`, markdown ending in a blank line) and the recipe's settings to the
-    model card, and upload the folder to the Hub."""
+    """Add the per-round evaluation (then `extra`, markdown ending in a blank line) and the recipe's settings (its
+    own, the loop's and TOPR's) to the model card, and upload the folder to the Hub."""
     card = folder / "README.md"
-    settings = dict(vars(script_args))
+    settings = {**vars(script_args), **dataclasses.asdict(loop_args)}
     settings.update(
         {
             k: getattr(training_args, k)
@@ -119,10 +121,10 @@ def publish(
     )
 
 
-def refuse_publishing_nothing(script_args, training_args: TOPRConfig) -> None:
+def refuse_publishing_nothing(loop_args: TOPRLoopConfig, training_args: TOPRConfig) -> None:
     """Refuse `--push_to_hub` with `--num_rounds 0` before anything runs: evaluating alone trains no model to
     publish."""
-    if training_args.push_to_hub and script_args.num_rounds == 0:
+    if training_args.push_to_hub and loop_args.num_rounds == 0:
         raise ValueError(
             "--push_to_hub with --num_rounds 0: evaluating alone trains no model to publish. Drop "
             "--push_to_hub, or train at least one round."

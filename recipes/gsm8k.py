@@ -58,16 +58,8 @@ from common import (
 from transformers import AutoTokenizer
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
-from trl_topr import (
-    TOPRConfig,
-    anna_karenina,
-    extract_final_answer,
-    gsm8k_invalid,
-    gsm8k_reward,
-    run_topr_loop,
-)
+from trl_topr import TOPRConfig, TOPRLoopConfig, extract_final_answer, gsm8k_invalid, gsm8k_reward, run_topr_loop
 from trl_topr.embedded import smollm2_path
-from trl_topr.generation import SamplingSettings
 from trl_topr.precision import device_type
 from trl_topr.scripts.utils import set_model_init_kwargs
 from trl_topr.tasks import calculator
@@ -79,7 +71,8 @@ __all__ = ["arithmetic_problems", "few_shot_prompts", "main", "make_parser", "so
 
 @dataclass
 class GSM8KArguments:
-    """Arguments of the GSM8K recipe (the TOPR options are [`TOPRConfig`]'s, the model's TRL's `ModelConfig`)."""
+    """Arguments of the GSM8K recipe: the task and its prompts (the loop's options are [`TOPRLoopConfig`]'s, the
+    training's [`TOPRConfig`]'s, the model's TRL's `ModelConfig`)."""
 
     task: str = field(
         default="gsm8k",
@@ -96,21 +89,6 @@ class GSM8KArguments:
     num_train_prompts: int | None = field(default=None, metadata={"help": "Training questions (default: all)."})
     num_eval_prompts: int | None = field(default=None, metadata={"help": "Test questions (default: all)."})
     num_shots: int = field(default=8, metadata={"help": "Worked examples in the prompt (the paper: 8)."})
-    num_rounds: int = field(default=1, metadata={"help": "Rounds of sample / train / evaluate."})
-    replay_rounds: int = field(
-        default=0,
-        metadata={
-            "help": "Off-policy replay: each round also trains on the rows of this many earlier rounds, with the "
-            "behavior log-probs recorded when they were sampled (0: the paper's on-policy rounds)."
-        },
-    )
-    num_samples: int = field(default=16, metadata={"help": "Samples per training question (the paper: 16)."})
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (the paper: 1)."})
-    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling threshold (the paper: 1)."})
-    top_k: int = field(default=500, metadata={"help": "Top-k sampling, 0 to disable (the paper: 500)."})
-    max_new_tokens: int = field(default=512, metadata={"help": "Maximum solution length (the paper: 512)."})
-    sampling_batch_size: int = field(default=16, metadata={"help": "Questions per generation batch."})
-    eval_num_samples: int = field(default=16, metadata={"help": "k of maj@k and of the sampled pass@1."})
     tools: str = field(
         default="none",
         metadata={
@@ -120,18 +98,18 @@ class GSM8KArguments:
             "choices": ["none", "calculator"],
         },
     )
-    curation: str = field(
-        default="none",
-        metadata={
-            "help": "'anna_karenina' keeps, per question, the first correct solution and all incorrect ones.",
-            "choices": ["none", "anna_karenina"],
-        },
-    )
 
 
-def main(script_args: GSM8KArguments, training_args: TOPRConfig, model_args: ModelConfig) -> list[dict]:
+# The recipe's defaults for the loop's options: the paper's GSM8K sampling (16 samples at temperature 1, top-k 500,
+# 512 new tokens; maj@16)
+PAPER_SAMPLING = {"num_generations": 16, "top_k": 500, "max_completion_length": 512, "num_generations_eval": 16}
+
+
+def main(
+    script_args: GSM8KArguments, loop_args: TOPRLoopConfig, training_args: TOPRConfig, model_args: ModelConfig
+) -> list[dict]:
     """Run the rounds, print the evaluation before and after, publish; return the per-round metrics."""
-    refuse_publishing_nothing(script_args, training_args)
+    refuse_publishing_nothing(loop_args, training_args)
     model = model_args.model_name_or_path
     if model is None:
         with training_args.main_process_first(desc="SmolLM2 conversion"):
@@ -142,47 +120,41 @@ def main(script_args: GSM8KArguments, training_args: TOPRConfig, model_args: Mod
     train_problems = train_problems[: script_args.num_train_prompts]
     test_problems = test_problems[: script_args.num_eval_prompts]
 
-    sampling = SamplingSettings(
-        num_samples=script_args.num_samples,
-        temperature=script_args.temperature,
-        top_p=script_args.top_p,
-        top_k=script_args.top_k,
-        max_new_tokens=script_args.max_new_tokens,
-        batch_size=script_args.sampling_batch_size,
-    )
-    tokenizer = AutoTokenizer.from_pretrained(model)
     tools = [calculator] if script_args.tools == "calculator" else None
+    tokenizer = AutoTokenizer.from_pretrained(model)
     if tools:
         tokenizer = with_tool_template(tokenizer)
+    if loop_args.reward_weights is None:  # `invalid` is a column, not part of the reward (invalid outputs score -1)
+        loop_args.reward_weights = [1.0, 0.0]
     rounds = run_topr_loop(
         model,
         few_shot_prompts(train_problems, shots, tools=bool(tools)),
         {"correct": gsm8k_reward, "invalid": gsm8k_invalid},
+        loop_args,
         training_args,
-        num_rounds=script_args.num_rounds,
-        replay_rounds=script_args.replay_rounds,
-        reward_weights=[1.0, 0.0],  # `invalid` is a column, not part of the reward (invalid outputs score -1 anyway)
         eval_prompts=few_shot_prompts(test_problems, shots, tools=bool(tools)),
         correct_func=gsm8k_reward,
         answer_func=extract_final_answer,
-        curate=anna_karenina if script_args.curation == "anna_karenina" else None,
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
         quantization_config=get_quantization_config(model_args),
-        sampling=sampling,
-        eval_sampling=sampling.replace(num_samples=script_args.eval_num_samples, seed=training_args.seed),
         tools=tools,
     )
     if training_args.process_index == 0:
         print(f"\nGSM8K ({script_args.task}) evaluation, round 0 = before training:\n\n{evaluation_table(rounds)}\n")
         if rounds[-1]["round"] > 0:  # `--num_rounds 0` evaluates only: there is no trained model to publish
             publish(
-                Path(training_args.output_dir) / f"round-{rounds[-1]['round']}", rounds, script_args, training_args
+                Path(training_args.output_dir) / f"round-{rounds[-1]['round']}",
+                rounds,
+                script_args,
+                loop_args,
+                training_args,
             )
         print(
             summary(
                 rounds,
                 script_args,
+                loop_args,
                 training_args,
                 base_model_name(transformers.AutoConfig.from_pretrained(model)),
                 len(test_problems),
@@ -192,7 +164,12 @@ def main(script_args: GSM8KArguments, training_args: TOPRConfig, model_args: Mod
 
 
 def summary(
-    rounds: list[dict], script_args: GSM8KArguments, training_args: TOPRConfig, model: str, num_eval: int
+    rounds: list[dict],
+    script_args: GSM8KArguments,
+    loop_args: TOPRLoopConfig,
+    training_args: TOPRConfig,
+    model: str,
+    num_eval: int,
 ) -> str:
     """What was trained, the evaluation before and after, where the model and the plot are, and the elapsed time."""
     first, last = rounds[0], rounds[-1]
@@ -200,10 +177,11 @@ def summary(
     samples = sum(r["num_samples"] for r in trained)
     correct = sum(r["positive_fraction"] * r["num_samples"] for r in trained) / max(samples, 1)
     precision = "bf16" if training_args.bf16 else "fp32"
+    k = loop_args.num_generations_eval or loop_args.num_generations
     rows = [
         ("pass@1, greedy", "pass@1_greedy"),
-        (f"pass@1, {script_args.eval_num_samples} samples", "pass@1"),
-        (f"maj@{script_args.eval_num_samples}", f"maj@{script_args.eval_num_samples}"),
+        (f"pass@1, {k} samples", "pass@1"),
+        (f"maj@{k}", f"maj@{k}"),
         ("invalid rate", "invalid_rate"),
         *([("tool calls per sample", "tool_call_rate")] if "tool_call_rate" in first else []),
     ]
@@ -238,12 +216,16 @@ def summary(
 
 
 def make_parser(subparsers=None) -> TrlParser:
-    """TRL's parser over the recipe's arguments, [`TOPRConfig`] and TRL's `ModelConfig`, with `--config file.yaml`."""
-    dataclass_types = (GSM8KArguments, TOPRConfig, ModelConfig)
+    """TRL's parser over the recipe's arguments, [`TOPRLoopConfig`], [`TOPRConfig`] and TRL's `ModelConfig`, with
+    `--config file.yaml`; the loop's sampling defaults to the paper's (`PAPER_SAMPLING`)."""
+    dataclass_types = (GSM8KArguments, TOPRLoopConfig, TOPRConfig, ModelConfig)
     epilog = "--config FILE.yaml: read any of the arguments above from a YAML file (command-line flags win)."
     if subparsers is not None:
-        return subparsers.add_parser("gsm8k", help="TOPR on GSM8K", dataclass_types=dataclass_types, epilog=epilog)
-    return TrlParser(dataclass_types, epilog=epilog)
+        parser = subparsers.add_parser("gsm8k", help="TOPR on GSM8K", dataclass_types=dataclass_types, epilog=epilog)
+    else:
+        parser = TrlParser(dataclass_types, epilog=epilog)
+    parser.set_defaults(**PAPER_SAMPLING)
+    return parser
 
 
 if __name__ == "__main__":

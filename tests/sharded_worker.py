@@ -29,9 +29,8 @@ def main(
     from peft import LoraConfig
 
     import trl_topr.loop
-    from trl_topr import TOPRTrainer, run_topr_loop
+    from trl_topr import TOPRLoopConfig, TOPRTrainer, run_topr_loop
     from trl_topr.distributed import weights_fingerprint
-    from trl_topr.generation import SamplingSettings
 
     output = Path(output_dir)
     state = PartialState()
@@ -72,7 +71,8 @@ def main(
     prompts = Dataset.from_dict(
         {"prompt": [f"What is {i} + 3?" for i in range(6)], "answer": [str(i + 3) for i in range(6)]}
     )
-    loop_args = make_args(output / "loop", max_steps=-1, per_device_train_batch_size=2, padding_free=padding_free)
+    train_args = make_args(output / "loop", max_steps=-1, per_device_train_batch_size=2, padding_free=padding_free)
+    loop_args = TOPRLoopConfig(num_rounds=2, replay_rounds=1, num_generations=2, max_completion_length=6)
     trained = []  # what the loop's rounds trained with: nothing of it may outlive its round
     trl_topr.loop.TOPRTrainer = recording_trainer(trained)
     result["rounds"] = run_topr_loop(
@@ -80,15 +80,11 @@ def main(
         prompts,
         correct,
         loop_args,
-        num_rounds=2,
+        train_args,
         peft_config=peft_config,
-        replay_rounds=1,
         eval_prompts=prompts.select(range(5)),  # an odd number: uneven shares on 2 processes
         correct_func=correct,
         answer_func=lambda text: text.split()[-1] if text.split() else None,
-        sampling=SamplingSettings(num_samples=2, max_new_tokens=6),
-        progress=False,
-        eval_sampling=SamplingSettings(num_samples=2, max_new_tokens=6, seed=0),
     )
     result["loop_trained"], result["loop_alive"] = [name for name, _ in trained], alive(trained)
     result["world"] = torch.distributed.get_world_size()

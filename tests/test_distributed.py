@@ -90,8 +90,7 @@ LOOP_WORKER = textwrap.dedent(
     from accelerate import PartialState
     from conftest import end_processes, make_args
     from datasets import Dataset
-    from trl_topr import TOPRTrainer, run_topr_loop
-    from trl_topr.generation import SamplingSettings
+    from trl_topr import TOPRLoopConfig, TOPRTrainer, run_topr_loop
 
     def digest(model):  # weights as this process holds them after training
         h = hashlib.sha256()
@@ -112,11 +111,9 @@ LOOP_WORKER = textwrap.dedent(
     prompts = Dataset.from_dict({{"prompt": [[{{"role": "user", "content": f"What is {{i}} + 3?"}}] for i in range(6)],
                                  "answer": [str(i + 3) for i in range(6)]}})
     last_number = lambda text: (re.findall(r"\\d+", text) or [None])[-1]
-    rounds = run_topr_loop(sys.argv[1], prompts, correct, make_args(sys.argv[2], max_steps=-1,
-                           per_device_train_batch_size=2), num_rounds=1, eval_prompts=prompts.select(range(3)),
-                           correct_func=correct, answer_func=last_number,
-                           sampling=SamplingSettings(num_samples=2, max_new_tokens=6),
-                           eval_sampling=SamplingSettings(num_samples=2, max_new_tokens=6, seed=0), progress=False)
+    rounds = run_topr_loop(sys.argv[1], prompts, correct, TOPRLoopConfig(num_generations=2, max_completion_length=6),
+                           make_args(sys.argv[2], max_steps=-1, per_device_train_batch_size=2),
+                           eval_prompts=prompts.select(range(3)), correct_func=correct, answer_func=last_number)
     with open(f"{{sys.argv[2]}}/rounds-rank{{PartialState().process_index}}.json", "w") as f:
         json.dump(rounds, f)
     end_processes()
@@ -146,7 +143,7 @@ TOOL_WORKER = textwrap.dedent(
     from conftest import TOOL_PROMPT, end_processes, make_args, multiply
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl_topr import TOPRTrainer, run_topr_loop, sample_completions
+    from trl_topr import TOPRLoopConfig, TOPRTrainer, run_topr_loop, sample_completions
     from trl_topr.generation import SamplingSettings
 
     def multiply_here(a: int, b: int) -> int:
@@ -188,8 +185,8 @@ TOOL_WORKER = textwrap.dedent(
         ids = zip(samples["prompt_ids"], samples["completion_ids"])
         json.dump({{"precomputed": [by_ids[tuple(p + c)] for p, c in ids],
                    "log_ratio_mean": ratio["eval_log_ratio_mean"], "log_ratio_min": ratio["eval_log_ratio_min"]}}, f)
-    rounds = run_topr_loop(path, prompts, correct, args, num_rounds=2, replay_rounds=1, tools=[multiply],
-                           sampling=SamplingSettings(num_samples=2, max_new_tokens=200), progress=False)
+    loop_args = TOPRLoopConfig(num_rounds=2, replay_rounds=1, num_generations=2, max_completion_length=200)
+    rounds = run_topr_loop(path, prompts, correct, loop_args, args, tools=[multiply])
     with open(f"{{out}}/rounds-rank{{rank}}.json", "w") as f:
         json.dump(rounds, f)
     end_processes()

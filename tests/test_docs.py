@@ -10,6 +10,8 @@ import trl_topr.data
 import trl_topr.distributed
 import trl_topr.evaluation
 import trl_topr.generation.settings
+import trl_topr.loop
+import trl_topr.loop_config
 import trl_topr.loss
 import trl_topr.online
 import trl_topr.precision
@@ -35,6 +37,8 @@ import trl_topr.verifier
         trl_topr.verifier,
         trl_topr.generation.settings,
         trl_topr.distributed,
+        trl_topr.loop,
+        trl_topr.loop_config,
     ],
 )
 def test_docstring_examples(module):

@@ -67,7 +67,7 @@ LOOP_WORKER = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from conftest import make_args
     from datasets import Dataset
-    from trl_topr.generation import SamplingSettings
+    from trl_topr import TOPRLoopConfig
     from trl_topr.loop import run_topr_loop
 
     model_path, output_dir, curate_log, hang_at_call = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
@@ -98,8 +98,8 @@ LOOP_WORKER = textwrap.dedent(
     prompts = Dataset.from_dict({{"prompt": messages}})
     args = make_args(output_dir, per_device_train_batch_size=4, max_steps=-1, logging_steps=1, seed=0,
                      disable_tqdm=True)
-    run_topr_loop(model_path, prompts, even_length, args, num_rounds=3, curate=curate,
-                  sampling=SamplingSettings(num_samples=2, max_new_tokens=8), progress=False)
+    loop_args = TOPRLoopConfig(num_rounds=3, curation="__main__.curate", num_generations=2, max_completion_length=8)
+    run_topr_loop(model_path, prompts, even_length, loop_args, args)
     """
 )
 
@@ -111,7 +111,7 @@ REPLAY_WORKER = textwrap.dedent(
     from conftest import make_args
     from datasets import Dataset
     import trl_topr.loop
-    from trl_topr.generation import SamplingSettings
+    from trl_topr import TOPRLoopConfig
 
     model_path, output_dir, hang_marker = sys.argv[1], sys.argv[2], sys.argv[3]
 
@@ -141,8 +141,8 @@ REPLAY_WORKER = textwrap.dedent(
     )
     args = make_args(output_dir, per_device_train_batch_size=4, max_steps=-1, logging_steps=1, seed=0,
                      learning_rate=1e-2, disable_tqdm=True)
-    trl_topr.loop.run_topr_loop(model_path, prompts, even_length, args, num_rounds=3, replay_rounds=2,
-                                sampling=SamplingSettings(num_samples=2, max_new_tokens=8), progress=False)
+    loop_args = TOPRLoopConfig(num_rounds=3, replay_rounds=2, num_generations=2, max_completion_length=8)
+    trl_topr.loop.run_topr_loop(model_path, prompts, even_length, loop_args, args)
     """
 )
 

@@ -11,7 +11,7 @@ from conftest import alive, make_args, recording_trainer
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl_topr import TOPRDataError
+from trl_topr import TOPRDataError, TOPRLoopConfig
 from trl_topr.evaluation import evaluate_policy
 from trl_topr.generation import GenerationEngine, SamplingSettings
 from trl_topr.loop import read_rounds, run_topr_loop
@@ -143,18 +143,16 @@ def test_evaluate_policy_majority_vote_and_truncation_are_exact(tiny_model_path)
     ]
 
 
-def test_loop_runs_rounds_writes_metrics_and_resumes(tiny_model_path, tmp_path):
+def test_loop_runs_rounds_writes_metrics_and_resumes(tiny_model_path, tmp_path, monkeypatch):
     args = make_args(tmp_path / "loop", per_device_train_batch_size=4, max_steps=-1, logging_steps=1)
-    kwargs = dict(
-        eval_prompts=prompts(2, offset=10),
-        correct_func=correct,
-        answer_func=last_number,
-        sampling=SamplingSettings(num_samples=2, max_new_tokens=8),
-        progress=False,
-        eval_sampling=SamplingSettings(num_samples=2, max_new_tokens=8, seed=0),
-        curate=lambda samples: samples.select(range(len(samples) - 1)),  # proves the curation step runs
+    # a curation given by its dotted path, which drops the last sample: proves the curation step runs
+    (tmp_path / "my_curation.py").write_text(
+        "def drop_last(samples):\n    return samples.select(range(len(samples) - 1))\n"
     )
-    rounds = run_topr_loop(tiny_model_path, prompts(4), correct, args, num_rounds=1, **kwargs)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    loop_args = TOPRLoopConfig(num_generations=2, max_completion_length=8, curation="my_curation.drop_last")
+    kwargs = dict(eval_prompts=prompts(2, offset=10), correct_func=correct, answer_func=last_number)
+    rounds = run_topr_loop(tiny_model_path, prompts(4), correct, loop_args, args, **kwargs)
     assert [r["round"] for r in rounds] == [0, 1]
     assert rounds[1]["num_samples"] == 8 and rounds[1]["num_train_rows"] == 7
     for name in (
@@ -186,7 +184,8 @@ def test_loop_runs_rounds_writes_metrics_and_resumes(tiny_model_path, tmp_path):
     with pytest.warns(UserWarning, match="ends with a cut line"):
         assert read_rounds(str(tmp_path / "loop")) == rounds
     with pytest.warns(UserWarning, match="ends with a cut line"):
-        rounds = run_topr_loop(tiny_model_path, prompts(4), correct, args, num_rounds=2, **kwargs)
+        loop_args.num_rounds = 2
+        rounds = run_topr_loop(tiny_model_path, prompts(4), correct, loop_args, args, **kwargs)
     assert [r["round"] for r in rounds] == [0, 1, 2]
     assert (round_1 / "model.safetensors").stat().st_mtime_ns == model_time
     assert not (tmp_path / "loop" / "round-2" / "partial").exists()
@@ -211,15 +210,8 @@ def test_loop_frees_each_rounds_trainer_model_and_optimizer(tiny_model_path, tmp
     trained = []
     monkeypatch.setattr(trl_topr.loop, "TOPRTrainer", recording_trainer(trained))
     args = make_args(tmp_path / "loop", per_device_train_batch_size=4, max_steps=-1)
-    run_topr_loop(
-        tiny_model_path,
-        prompts(2),
-        correct,
-        args,
-        num_rounds=2,
-        progress=False,
-        sampling=SamplingSettings(num_samples=2, max_new_tokens=4),
-    )
+    loop_args = TOPRLoopConfig(num_rounds=2, num_generations=2, max_completion_length=4)
+    run_topr_loop(tiny_model_path, prompts(2), correct, loop_args, args)
     assert [name for name, _ in trained].count("optimizer") == 2  # both rounds recorded
     assert alive(trained) == []
 
@@ -233,10 +225,10 @@ def test_a_one_sided_round_trains_with_baseline_0_under_a_target_fraction(tiny_m
     def always_wrong(prompts, completions, **kwargs):
         return [-1.0] * len(completions)
 
-    options = dict(sampling=SamplingSettings(num_samples=2, max_new_tokens=4), progress=False)
+    loop_args = TOPRLoopConfig(num_generations=2, max_completion_length=4)
     for name, reward, baseline in (("mixed", mixed, -0.6), ("wrong", always_wrong, 0.0)):
         args = make_args(tmp_path / name, per_device_train_batch_size=4, max_steps=-1, target_positive_fraction=0.8)
-        rounds = run_topr_loop(tiny_model_path, prompts(2), reward, args, num_rounds=1, **options)
+        rounds = run_topr_loop(tiny_model_path, prompts(2), reward, loop_args, args)
         logs = json.loads((tmp_path / name / "round-1" / "trainer_state.json").read_text())["log_history"]
         assert [h["baseline"] for h in logs if "baseline" in h] == [pytest.approx(baseline)], name
         assert rounds[1]["effective_positive_fraction"] == pytest.approx(0.8 if name == "mixed" else 0.0)
@@ -245,20 +237,21 @@ def test_a_one_sided_round_trains_with_baseline_0_under_a_target_fraction(tiny_m
 def test_loop_evaluates_named_sets_as_trl_eval_dataset_dicts(tiny_model_path, tmp_path):
     # A dict of held-out sets: each evaluated every round, its metrics named after it, and equal to the metrics of the
     # same set given alone (the same engine, prompts and sampling seed)
-    options = dict(
-        correct_func=correct,
-        answer_func=last_number,
-        progress=False,
-        num_rounds=0,
-        eval_sampling=SamplingSettings(num_samples=2, max_new_tokens=8, seed=0),
-    )
+    options = dict(correct_func=correct, answer_func=last_number)
+    loop_args = TOPRLoopConfig(num_rounds=0, num_generations=2, max_completion_length=8)
     sets = {"validation": prompts(2, offset=10), "test": prompts(3, offset=20)}
     named = run_topr_loop(
-        tiny_model_path, prompts(2), correct, make_args(tmp_path / "named"), eval_prompts=sets, **options
+        tiny_model_path, prompts(2), correct, loop_args, make_args(tmp_path / "named"), eval_prompts=sets, **options
     )[0]
     for name, dataset in sets.items():
         alone = run_topr_loop(
-            tiny_model_path, prompts(2), correct, make_args(tmp_path / name), eval_prompts=dataset, **options
+            tiny_model_path,
+            prompts(2),
+            correct,
+            loop_args,
+            make_args(tmp_path / name),
+            eval_prompts=dataset,
+            **options,
         )[0]
         assert {key: value for key, value in alone.items() if key != "round"} == {
             key.removeprefix(f"{name}/"): value for key, value in named.items() if key.startswith(f"{name}/")
@@ -277,42 +270,41 @@ def test_loop_evaluates_named_sets_as_trl_eval_dataset_dicts(tiny_model_path, tm
             tiny_model_path,
             prompts(2),
             correct,
+            loop_args,
             make_args(tmp_path / "bad"),
             eval_prompts={"validation": prompts(2), "test": bad},
             **options,
         )
     with pytest.raises(ValueError, match="empty dict"):
-        run_topr_loop(tiny_model_path, prompts(2), correct, make_args(tmp_path / "bad"), eval_prompts={}, **options)
+        run_topr_loop(
+            tiny_model_path, prompts(2), correct, loop_args, make_args(tmp_path / "bad"), eval_prompts={}, **options
+        )
     assert not (tmp_path / "bad").exists()  # refused before anything was written
 
 
 def test_prompts_per_round_go_through_the_prompts_as_epochs(tiny_model_path, tmp_path):
     # 5 prompts, 2 a round: rounds 1, 2, 3 sample prompts 0-1, 2-3, then 4 and 0 (the start again)
-    run_topr_loop(
-        tiny_model_path,
-        prompts(5),
-        correct,
-        make_args(tmp_path / "loop", per_device_train_batch_size=4),
-        num_rounds=3,
-        progress=False,
-        sampling=SamplingSettings(num_samples=2, max_new_tokens=4),
-        prompts_per_round=2,
-    )
+    loop_args = TOPRLoopConfig(num_rounds=3, num_generations=2, max_completion_length=4, prompts_per_round=2)
+    run_topr_loop(tiny_model_path, prompts(5), correct, loop_args, make_args(tmp_path / "loop"))
     sampled = []
     for r in (1, 2, 3):
         rows = [json.loads(line) for line in (tmp_path / "loop" / f"round-{r}" / "samples.jsonl").open()]
         sampled.append(sorted({int(row["answer"]) - 3 for row in rows}))
         assert len(rows) == 4  # 2 prompts x 2 samples
     assert sampled == [[0, 1], [2, 3], [0, 4]]
-    for bad in (0, -1, 1.5, True, 6):  # 6: more than the 5 prompts
+    for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="prompts_per_round"):
-            run_topr_loop(tiny_model_path, prompts(5), correct, make_args(tmp_path / "bad"), prompts_per_round=bad)
+            TOPRLoopConfig(prompts_per_round=bad)
+    with pytest.raises(ValueError, match="prompts_per_round"):  # more than the 5 prompts
+        run_topr_loop(
+            tiny_model_path, prompts(5), correct, TOPRLoopConfig(prompts_per_round=6), make_args(tmp_path / "bad")
+        )
     assert not (tmp_path / "bad").exists()
 
 
 def test_evaluation_needs_its_functions(tiny_model_path, tmp_path):
     with pytest.raises(ValueError, match="correct_func"):
-        run_topr_loop(tiny_model_path, prompts(2), correct, make_args(tmp_path), eval_prompts=prompts(2))
+        run_topr_loop(tiny_model_path, prompts(2), correct, None, make_args(tmp_path), eval_prompts=prompts(2))
 
 
 def test_loop_with_lora_merges_each_rounds_adapter(tiny_model_path, tmp_path):
@@ -320,16 +312,8 @@ def test_loop_with_lora_merges_each_rounds_adapter(tiny_model_path, tmp_path):
 
     args = make_args(tmp_path / "lora", per_device_train_batch_size=4, max_steps=-1, learning_rate=1e-2)
     peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    rounds = run_topr_loop(
-        tiny_model_path,
-        prompts(4),
-        correct,
-        args,
-        num_rounds=2,
-        peft_config=peft_config,
-        sampling=SamplingSettings(num_samples=2, max_new_tokens=8),
-        progress=False,
-    )
+    loop_args = TOPRLoopConfig(num_rounds=2, num_generations=2, max_completion_length=8)
+    rounds = run_topr_loop(tiny_model_path, prompts(4), correct, loop_args, args, peft_config=peft_config)
     assert [r["round"] for r in rounds] == [0, 1, 2]
     for r in (1, 2):
         files = set(os.listdir(tmp_path / "lora" / f"round-{r}"))
@@ -349,6 +333,7 @@ def test_quantized_loop_needs_an_adapter(tiny_model_path, tmp_path):
             tiny_model_path,
             prompts(2),
             correct,
+            None,
             make_args(tmp_path),
             quantization_config=BitsAndBytesConfig(load_in_4bit=True),
         )
@@ -362,11 +347,12 @@ def test_loop_replays_earlier_rounds_with_the_behavior_logps_recorded_when_sampl
     args = make_args(
         tmp_path / "replay", per_device_train_batch_size=4, max_steps=-1, logging_steps=1, learning_rate=1e-2
     )
-    options = dict(sampling=SamplingSettings(num_samples=2, max_new_tokens=6), progress=False, replay_rounds=2)
-    rounds = run_topr_loop(tiny_model_path, prompts(3), reward, args, num_rounds=2, **options)
+    loop_args = TOPRLoopConfig(num_rounds=2, num_generations=2, max_completion_length=6, replay_rounds=2)
+    rounds = run_topr_loop(tiny_model_path, prompts(3), reward, loop_args, args)
     folder = tmp_path / "replay"
     (folder / "round-1" / "model.safetensors").unlink()  # replay reads rows, never an old round's weights
-    rounds = run_topr_loop(tiny_model_path, prompts(3), reward, args, num_rounds=3, **options)
+    loop_args.num_rounds = 3
+    rounds = run_topr_loop(tiny_model_path, prompts(3), reward, loop_args, args)
     assert [r["round"] for r in rounds] == [0, 1, 2, 3]
     assert "age_1/rows" not in rounds[1] and rounds[1]["age_0/rows"] == 6
     assert rounds[2]["age_0/rows"] == rounds[2]["age_1/rows"] == 6 and "age_2/rows" not in rounds[2]
@@ -396,7 +382,7 @@ def test_loop_replays_earlier_rounds_with_the_behavior_logps_recorded_when_sampl
     shares = [rounds[3][f"age_{k}/weight_share"] for k in range(3)]
     assert abs(sum(shares) - 1) < 1e-6 and all(0 <= s <= 1 for s in shares)
     with pytest.raises(ValueError, match="replay_rounds"):
-        run_topr_loop(tiny_model_path, prompts(3), correct, args, replay_rounds=-1)
+        TOPRLoopConfig(replay_rounds=-1)
 
 
 def test_loop_trains_num_train_epochs_per_round(tiny_model_path, tmp_path):
@@ -405,13 +391,7 @@ def test_loop_trains_num_train_epochs_per_round(tiny_model_path, tmp_path):
         tmp_path / "epochs", per_device_train_batch_size=4, max_steps=-1, logging_steps=1, num_train_epochs=2
     )
     run_topr_loop(
-        tiny_model_path,
-        prompts(3),
-        correct,
-        args,
-        num_rounds=1,
-        progress=False,
-        sampling=SamplingSettings(num_samples=2, max_new_tokens=6),
+        tiny_model_path, prompts(3), correct, TOPRLoopConfig(num_generations=2, max_completion_length=6), args
     )
     state = json.loads((tmp_path / "epochs" / "round-1" / "trainer_state.json").read_text())
     assert state["global_step"] == 4 and state["epoch"] == 2  # 6 rows, batch 4: 2 steps an epoch
@@ -441,14 +421,15 @@ def test_loop_callbacks_see_every_round_and_can_stop_the_loop(tiny_model_path, t
             self.events.append(("end", metrics["round"]))
 
     args = make_args(tmp_path / "loop", per_device_train_batch_size=4, max_steps=1)
-    options = dict(sampling=SamplingSettings(num_samples=2, max_new_tokens=4), progress=False)
+    loop_args = TOPRLoopConfig(num_rounds=3, num_generations=2, max_completion_length=4)
     stopper = Record(stop_at=2)
     with pytest.raises(KeyboardInterrupt):
-        run_topr_loop(tiny_model_path, prompts(2), correct, args, num_rounds=3, callbacks=[stopper], **options)
+        run_topr_loop(tiny_model_path, prompts(2), correct, loop_args, args, callbacks=[stopper])
     assert stopper.events == [("end", 0), ("begin", 1), ("trainer", 1, "TOPRTrainer", 4), ("end", 1)]
     assert [r["round"] for r in read_rounds(str(tmp_path / "loop"))] == [0, 1]
     again = Record()
-    rounds = run_topr_loop(tiny_model_path, prompts(2), correct, args, num_rounds=2, callbacks=[again], **options)
+    loop_args.num_rounds = 2
+    rounds = run_topr_loop(tiny_model_path, prompts(2), correct, loop_args, args, callbacks=[again])
     assert [r["round"] for r in rounds] == [0, 1, 2]
     assert again.events == [("begin", 2), ("trainer", 2, "TOPRTrainer", 4), ("end", 2)]
 
@@ -457,15 +438,15 @@ def test_a_new_engine_is_one_registry_entry(tiny_model_path, tmp_path, monkeypat
     # The factory picks the engine by name in ENGINES: an engine registered under the name a configuration selects is
     # what sampling and the loop generate with, built by its `from_config`.
     import trl_topr.generation as generation
-    from trl_topr import TOPRConfig, sample_completions
+    from trl_topr import sample_completions
     from trl_topr.generation import ENGINES, TransformersEngine, engine_name, generation_engine
 
-    assert engine_name(None) == engine_name(make_args(tmp_path)) == "transformers"
-    assert engine_name(TOPRConfig(str(tmp_path / "v"), use_vllm=True, use_cpu=True, report_to="none")) == "vllm"
+    assert engine_name(None) == engine_name(TOPRLoopConfig()) == "transformers"
+    assert engine_name(TOPRLoopConfig(use_vllm=True)) == "vllm"
     assert set(ENGINES) == {"transformers", "vllm"}
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
-    built = generation_engine(model, tokenizer, make_args(tmp_path, bf16=False))
+    built = generation_engine(model, tokenizer, TOPRLoopConfig(), make_args(tmp_path, bf16=False))
     assert type(built) is TransformersEngine and built.bf16 is False and built.model is model
     assert generation_engine(model, tokenizer).bf16 is None  # no configuration: the engine's defaults
 
@@ -473,9 +454,9 @@ def test_a_new_engine_is_one_registry_entry(tiny_model_path, tmp_path, monkeypat
 
     class CountingEngine(TransformersEngine):
         @classmethod
-        def from_config(cls, model, processing_class, args=None):
-            made.append(args)
-            return super().from_config(model, processing_class, args)
+        def from_config(cls, model, processing_class, args=None, **options):
+            made.append(options["bf16"])
+            return super().from_config(model, processing_class, args, **options)
 
         def _generate_share(self, prompts, settings, progress):
             made.append(len(prompts))
@@ -492,4 +473,4 @@ def test_a_new_engine_is_one_registry_entry(tiny_model_path, tmp_path, monkeypat
         progress=False,
         sampling=SamplingSettings(num_samples=2, max_new_tokens=4),
     )
-    assert len(data) == 6 and made == [args, 3]
+    assert len(data) == 6 and made == [args.bf16, 3]  # built for the training's precision, then it generated

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from trl import ModelConfig
 
-from trl_topr import TOPRConfig
+from trl_topr import TOPRConfig, TOPRLoopConfig
 
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -23,18 +23,10 @@ import gsm8k  # noqa: E402
 
 def tiny_run(tiny_model_path, output_dir, **overrides):
     """Arguments of a seconds-long run: 4 training questions, 2 samples each, 2 test questions."""
-    script = dict(
-        task="arithmetic",
-        num_shots=1,
-        num_train_prompts=4,
-        num_eval_prompts=2,
-        num_samples=2,
-        max_new_tokens=8,
-        eval_num_samples=2,
-        sampling_batch_size=8,
-        top_k=0,
-    )
+    script = dict(task="arithmetic", num_shots=1, num_train_prompts=4, num_eval_prompts=2)
     script.update({k: v for k, v in overrides.items() if k in gsm8k.GSM8KArguments.__dataclass_fields__})
+    loop = dict(num_generations=2, max_completion_length=8, num_generations_eval=2, sampling_batch_size=8, top_k=0)
+    loop.update({k: v for k, v in overrides.items() if k in TOPRLoopConfig.__dataclass_fields__})
     training = dict(
         output_dir=str(output_dir),
         use_cpu=True,
@@ -47,7 +39,12 @@ def tiny_run(tiny_model_path, output_dir, **overrides):
         logging_steps=1,
     )
     training.update({k: v for k, v in overrides.items() if k in TOPRConfig.__dataclass_fields__})
-    return gsm8k.GSM8KArguments(**script), TOPRConfig(**training), ModelConfig(model_name_or_path=tiny_model_path)
+    return (
+        gsm8k.GSM8KArguments(**script),
+        TOPRLoopConfig(**loop),
+        TOPRConfig(**training),
+        ModelConfig(model_name_or_path=tiny_model_path),
+    )
 
 
 def test_help_documents_every_argument():
@@ -60,7 +57,7 @@ def test_help_documents_every_argument():
     )
     assert result.returncode == 0, result.stderr
     for flag in (
-        "--num_samples",
+        "--num_generations",
         "--top_k",
         "--curation",
         "--dataset_path",
@@ -96,7 +93,7 @@ def test_arithmetic_round_evaluates_before_and_after(tiny_model_path, tmp_path, 
 
 
 def test_calculator_flag_offers_the_tool_and_trains_trajectories(tiny_model_path, tmp_path):
-    run = tiny_run(tiny_model_path, tmp_path / "out", tools="calculator", max_new_tokens=12, max_length=2048)
+    run = tiny_run(tiny_model_path, tmp_path / "out", tools="calculator", max_completion_length=12, max_length=2048)
     rounds = gsm8k.main(*run)  # (the tiny tokenizer spells the tools' schema in many tokens)
     # the evaluation and the round report how often the (untrained, random) policy called it
     assert "tool_call_rate" in rounds[0] and "tool_call_rate" in rounds[1] and "tools/call_frequency" in rounds[1]
@@ -123,10 +120,12 @@ def test_calculator_evaluates_arithmetic_only():
 
 
 def test_num_rounds_0_evaluates_and_exits_cleanly(tiny_model_path, tmp_path, capsys):
-    # Evaluation only: round 0's line, no round folder, no model card; the summary says nothing was trained
+    # Evaluation only: round 0's line and its prompts' outcomes, no model, no model card; the summary says nothing
+    # was trained
     rounds = gsm8k.main(*tiny_run(tiny_model_path, tmp_path / "out", num_rounds=0))
     assert [r["round"] for r in rounds] == [0] and 0.0 <= rounds[0]["pass@1_greedy"] <= 1.0
-    assert sorted(os.listdir(tmp_path / "out")) == ["metrics.jsonl", "metrics.png"]
+    assert sorted(os.listdir(tmp_path / "out")) == ["metrics.jsonl", "metrics.png", "round-0"]
+    assert os.listdir(tmp_path / "out" / "round-0") == ["evaluation.jsonl"]
     printed = capsys.readouterr().out
     assert "without training (--num_rounds 0)" in printed and "| 0 |" in printed and "Done in" in printed
     # the same folder again (a resumed evaluation) reads the round back; asking for fewer rounds than it holds fails
@@ -260,11 +259,11 @@ def embedded_args(tiny_model_path, output_dir):
             "4",
             "--num_eval_prompts",
             "2",
-            "--num_samples",
+            "--num_generations",
             "2",
-            "--eval_num_samples",
+            "--num_generations_eval",
             "2",
-            "--max_new_tokens",
+            "--max_completion_length",
             "6",
             "--per_device_train_batch_size",
             "4",
@@ -278,7 +277,7 @@ def test_embedded_default_picks_the_precision_of_the_hardware(fast, tiny_model_p
 
     # a CPU where the precision probe found bf16 3x faster than float32, or 2x slower
     monkeypatch.setattr(trl_topr.precision, "cpu_bf16_speedup", lambda: 3.0 if fast else 0.5)
-    _, training_args, _ = embedded_args(tiny_model_path, tmp_path)
+    _, _, training_args, _ = embedded_args(tiny_model_path, tmp_path)
     assert training_args.bf16 is fast
 
 

@@ -44,11 +44,11 @@ def tiny_args(tiny_model_path, output_dir, *extra):
             "1",
             "--solution_max_new_tokens",
             "6",
-            "--num_verdicts",
+            "--num_generations",
             "2",
-            "--eval_num_verdicts",
+            "--num_generations_eval",
             "2",
-            "--verdict_max_new_tokens",
+            "--max_completion_length",
             "6",
             "--per_device_train_batch_size",
             "4",
@@ -71,9 +71,9 @@ def test_help_documents_every_argument():
     for flag in (
         "--generator_model_name_or_path",
         "--num_solutions",
-        "--num_verdicts",
-        "--eval_num_verdicts",
-        "--verdict_max_new_tokens",
+        "--num_generations",
+        "--num_generations_eval",
+        "--max_completion_length",
         "--loss_type",
         "--use_peft",
         "--config",
@@ -157,7 +157,8 @@ def test_num_rounds_0_scores_the_initial_verifier_and_exits_cleanly(tiny_model_p
     results = verifier.main(*tiny_args(tiny_model_path, tmp_path / "out", "--num_rounds", "0"))
     assert [r["round"] for r in results["rounds"]] == [0]
     assert results["votes"]["before"] == results["votes"]["after"]  # nothing trained: the same verifier twice
-    assert not (tmp_path / "out" / "round-0").exists() and "Done in" in capsys.readouterr().out
+    assert os.listdir(tmp_path / "out" / "round-0") == ["evaluation.jsonl"]  # its prompts' outcomes, no model
+    assert "Done in" in capsys.readouterr().out
     with pytest.raises(ValueError, match="--push_to_hub with --num_rounds 0"):
         verifier.main(*tiny_args(tiny_model_path, tmp_path / "hub", "--num_rounds", "0", "--push_to_hub", "true"))
     assert not (tmp_path / "hub").exists()

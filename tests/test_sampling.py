@@ -8,8 +8,8 @@ from conftest import make_args
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl_topr import TOPRDataError, TOPRTrainer
-from trl_topr.generation import SamplingSettings
+from trl_topr import TOPRDataError, TOPRLoopConfig, TOPRTrainer
+from trl_topr.generation import SamplingSettings, generation_engine
 from trl_topr.sampling import sample_completions, score_completions
 
 
@@ -348,22 +348,23 @@ def test_sampling_leaves_the_model_usable_for_training(model_and_tokenizer, tmp_
 def test_use_vllm_without_vllm_says_how_to_install(model_and_tokenizer, tmp_path):
     import importlib.util
 
-    from trl_topr.generation import generation_engine
-
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed: this checks the message shown without it")
     model, tokenizer = model_and_tokenizer
     with pytest.raises(ImportError, match=r"pip install trl-topr\[vllm\]"):
-        generation_engine(model, tokenizer, make_args(tmp_path, use_vllm=True))
+        generation_engine(model, tokenizer, TOPRLoopConfig(use_vllm=True))
 
 
-def test_vllm_options_are_checked(tmp_path):
+def test_vllm_options_are_checked(model_and_tokenizer):
     with pytest.raises(ValueError, match="vllm_mode"):
-        make_args(tmp_path, use_vllm=True, vllm_mode="remote")
+        TOPRLoopConfig(use_vllm=True, vllm_mode="remote")
     with pytest.raises(ValueError, match="behavior_logps_source"):
-        make_args(tmp_path, behavior_logps_source="engine")
+        TOPRLoopConfig(behavior_logps_source="engine")
     with pytest.raises(ValueError, match="use_vllm=True"):
-        make_args(tmp_path, behavior_logps_source="sampler")
+        TOPRLoopConfig(behavior_logps_source="sampler")
+    model, tokenizer = model_and_tokenizer
+    with pytest.raises(ValueError, match="behavior_logps_source"):  # checked where it is read, too
+        sample_completions(model, prompts(False, 1), has_digit, processing_class=tokenizer, behavior_logps_source="x")
 
 
 def test_behavior_logps_mismatch_compares_the_summed_log_probs():
@@ -380,23 +381,21 @@ def test_vllm_engine_on_gpu(tiny_model_path, tmp_path):
     pytest.importorskip("vllm", reason="vLLM is an optional GPU extra: pip install trl-topr[vllm]")
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path).cuda()
     args = make_args(
-        tmp_path,
-        use_cpu=False,
-        bf16=False,
-        max_steps=1,
-        per_device_train_batch_size=8,
-        learning_rate=0.0,
-        use_vllm=True,
-        vllm_gpu_memory_utilization=0.2,
+        tmp_path, use_cpu=False, bf16=False, max_steps=1, per_device_train_batch_size=8, learning_rate=0.0
     )
-    data = sample_completions(
-        model,
-        prompts(False, 2),
-        has_digit,
-        args=args,
-        progress=False,
-        sampling=SamplingSettings(num_samples=4, max_new_tokens=8, seed=0),
-    )
+    loop_args = TOPRLoopConfig(use_vllm=True, vllm_gpu_memory_utilization=0.2)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    with generation_engine(model, tokenizer, loop_args, args) as engine:
+        data = sample_completions(
+            model,
+            prompts(False, 2),
+            has_digit,
+            processing_class=tokenizer,
+            args=args,
+            engine=engine,
+            progress=False,
+            sampling=SamplingSettings(num_samples=4, max_new_tokens=8, seed=0),
+        )
     trainer = TOPRTrainer(model, args=args, train_dataset=data)
     trainer.train()
     assert abs(trainer.state.log_history[0]["log_ratio_max"]) < 1e-3

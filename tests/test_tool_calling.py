@@ -10,7 +10,7 @@ from conftest import make_args, multiply
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl_topr import TOPRTrainer, run_topr_loop, sample_completions
+from trl_topr import TOPRLoopConfig, TOPRTrainer, run_topr_loop, sample_completions
 from trl_topr.evaluation import evaluate_policy
 from trl_topr.generation import SamplingSettings
 from trl_topr.loop import read_rounds
@@ -117,13 +117,18 @@ def test_a_failing_tool_is_reported_to_the_policy_and_counted(tool_policy):
     assert row["completion"][1]["content"] == str({"error": "too big"})
 
 
-def test_the_call_limit_and_the_length_limit_end_a_trajectory_on_the_call(tool_policy, tmp_path):
+def test_the_call_limit_and_the_length_limit_end_a_trajectory_on_the_call(tool_policy):
     model, tokenizer = load(tool_policy)
     first_turn = trajectory_ids(tokenizer, PROMPT, TRAJECTORY[:1], [multiply])["completion_ids"]
-    limited = make_args(tmp_path / "out", max_tool_calling_iterations=0)
-    for args, sampling in ((limited, GREEDY), (None, GREEDY.replace(max_new_tokens=len(first_turn) + 5))):
+    for iterations, sampling in ((0, GREEDY), (None, GREEDY.replace(max_new_tokens=len(first_turn) + 5))):
         samples = sample_completions(
-            model, prompts(), says_56, processing_class=tokenizer, sampling=sampling, args=args, tools=[multiply]
+            model,
+            prompts(),
+            says_56,
+            processing_class=tokenizer,
+            sampling=sampling,
+            tools=[multiply],
+            max_tool_calling_iterations=iterations,
         )
         # the trajectory ends on the policy's call, its result not read; it is still trained (its call)
         assert samples[0]["completion_ids"] == first_turn and samples[0]["tool_mask"] == [1] * len(first_turn)
@@ -163,17 +168,15 @@ def test_bad_tool_setups_are_refused_before_sampling(tool_policy, tiny_model_pat
 def test_the_loop_samples_with_tools_replays_and_resumes(tool_policy, tmp_path):
     args = make_args(tmp_path / "loop", max_steps=1, per_device_train_batch_size=2, learning_rate=1e-5)
     common = dict(
-        sampling=SamplingSettings(num_samples=2, max_new_tokens=200),
-        eval_sampling=SamplingSettings(num_samples=2, max_new_tokens=200),
         eval_prompts=prompts(1),
         correct_func=says_56,
         answer_func=lambda text: "56" if "56" in text else None,
-        replay_rounds=1,
         tools=[multiply],
-        progress=False,
     )
-    run_topr_loop(tool_policy, prompts(2), says_56, args, num_rounds=1, **common)
-    rounds = run_topr_loop(tool_policy, prompts(2), says_56, args, num_rounds=2, **common)  # resumes after round 1
+    loop_args = TOPRLoopConfig(num_generations=2, max_completion_length=200, replay_rounds=1)
+    run_topr_loop(tool_policy, prompts(2), says_56, loop_args, args, **common)
+    loop_args.num_rounds = 2
+    rounds = run_topr_loop(tool_policy, prompts(2), says_56, loop_args, args, **common)  # resumes after round 1
     assert [r["round"] for r in rounds] == [0, 1, 2] and rounds == read_rounds(str(tmp_path / "loop"))
     assert rounds[2]["tools/call_frequency"] > 0 and rounds[2]["tools/failure_frequency"] == 0
     assert rounds[2]["tool_call_rate_greedy"] == 1.0

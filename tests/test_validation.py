@@ -272,15 +272,19 @@ LOOP_CASES = {
     "replay_rounds a float": (dict(replay_rounds=0.5), ValueError, "`replay_rounds` must be an integer >= 0"),
     "replay_rounds a boolean": (dict(replay_rounds=True), ValueError, "`replay_rounds` must be an integer >= 0"),
     "model in memory": (dict(model="loaded"), TypeError, "`model` is the id or path of the initial model"),
-    "args not a TOPRConfig": (dict(args={"output_dir": "x"}), TypeError, "`args` must be a `TOPRConfig`, got a dict"),
-    "sampling as a dict": (dict(sampling={"num_samples": 2}), TypeError, "`sampling` must be a `SamplingSettings`"),
-    "eval_sampling as a dict": (
-        dict(eval_sampling={"num_samples": 2}),
+    "train_args not a TOPRConfig": (
+        dict(train_args={"output_dir": "x"}),
         TypeError,
-        "`eval_sampling` must be a `SamplingSettings`",
+        "`train_args` must be a `TOPRConfig`, got a dict",
+    ),
+    "loop_args not a TOPRLoopConfig": (
+        dict(loop_args={"num_rounds": 2}),
+        TypeError,
+        "`loop_args` must be a `TOPRLoopConfig`, got a dict",
     ),
     "engine not an engine": (dict(engine="vllm"), TypeError, "`engine` must be a `GenerationEngine`"),
-    "curate not callable": (dict(curate="anna_karenina"), TypeError, "`curate` must be callable, got a str"),
+    "curation unknown": (dict(curation="ana_karenina"), ValueError, "`curation` 'ana_karenina' is neither"),
+    "curation's module missing": (dict(curation="no_module.curate"), ValueError, "`curation` 'no_module.curate'"),
     "answer_func not callable": (dict(answer_func="last"), TypeError, "`answer_func` must be callable"),
     "train prompts a list": (
         dict(train_prompts=["What is 1 + 1?"]),
@@ -392,25 +396,26 @@ LOOP_CASES = {
 }
 
 
-def run_loop(model_path, output_dir, num_rounds=2, **changes):
-    from trl_topr import run_topr_loop
-    from trl_topr.generation import SamplingSettings
+LOOP_FIELDS = ("num_rounds", "replay_rounds", "curation", "prompts_per_round", "reward_weights")
 
+
+def run_loop(model_path, output_dir, num_rounds=2, **changes):
+    from trl_topr import TOPRLoopConfig, run_topr_loop
+
+    loop_changes = {name: changes.pop(name) for name in LOOP_FIELDS if name in changes}
     call = dict(
         model=model_path,
         train_prompts=loop_prompts(),
         reward_funcs=answer_correct,
-        args=make_args(output_dir, max_steps=-1, max_length=40),
-        num_rounds=num_rounds,
-        replay_rounds=1,
+        train_args=make_args(output_dir, max_steps=-1, max_length=40),
         eval_prompts=loop_prompts(2),
         correct_func=answer_correct,
         answer_func=lambda text: text[-1:],
-        sampling=SamplingSettings(num_samples=2, max_new_tokens=4),
-        eval_sampling=SamplingSettings(num_samples=2, max_new_tokens=4, seed=0),
-        progress=False,
     )
     call.update(changes)
+    if "loop_args" not in call:  # its fields are checked as it is built: before anything is written too
+        options = dict(num_rounds=num_rounds, replay_rounds=1, num_generations=2, max_completion_length=4)
+        call["loop_args"] = TOPRLoopConfig(**{**options, **loop_changes})
     return run_topr_loop(**call)
 
 
@@ -444,7 +449,7 @@ def test_bad_loop_inputs_raise_before_anything_is_written(case, tiny_model_path,
         changes["model"] = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     if changes.get("output_dir") == "file":
         output_dir.write_text("not a folder")
-        changes["args"] = make_args(output_dir)
+        changes["train_args"] = make_args(output_dir)
         del changes["output_dir"]
     if changes.get("quantization_config") == "4bit":
         from transformers import BitsAndBytesConfig

@@ -24,7 +24,7 @@ from conftest import TOOL_PROMPT, TOOL_TRAJECTORY, alive, multiply, recording_tr
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl_topr import TOPRConfig, TOPRTrainer, run_topr_loop, sample_completions
+from trl_topr import TOPRConfig, TOPRLoopConfig, TOPRTrainer, run_topr_loop, sample_completions
 from trl_topr.compat import CHECKPOINTING
 from trl_topr.generation import SamplingSettings, VLLMEngine, prompt_ids
 from trl_topr.rewards import extract_final_answer, gsm8k_reward
@@ -81,18 +81,22 @@ def args_for(output_dir, **kwargs) -> TOPRConfig:
         max_steps=1,
         logging_steps=1,
         seed=0,
-        use_vllm=True,
-        vllm_max_model_length=1024,
+        disable_tqdm=True,
         **{CHECKPOINTING: False},
     )
     return TOPRConfig(**{**defaults, **kwargs})
+
+
+def vllm_for(**kwargs) -> TOPRLoopConfig:
+    """The loop's configuration with a colocated vLLM engine (its other fields as given)."""
+    return TOPRLoopConfig(**{"use_vllm": True, "vllm_max_model_length": 1024, **kwargs})
 
 
 @pytest.fixture(scope="module")
 def engine(smollm2, tmp_path_factory):
     path, tokenizer = smollm2
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    engine = VLLMEngine.from_config(model, tokenizer, args_for(tmp_path_factory.mktemp("engine")))
+    engine = VLLMEngine.from_config(model, tokenizer, vllm_for(), bf16=False)
     yield engine
     engine.close()  # its memory back before the next module's engines start
 
@@ -110,7 +114,7 @@ def step_zero_log_ratios(model, data, args) -> dict[str, float]:
 def test_vllm_samples_train_from_step_zero_with_the_chosen_mu(smollm2, engine, tmp_path, source):
     path, tokenizer = smollm2
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    args = args_for(tmp_path, behavior_logps_source=source)
+    args = args_for(tmp_path)
     data = sample_completions(
         model,
         arithmetic(4),
@@ -118,15 +122,16 @@ def test_vllm_samples_train_from_step_zero_with_the_chosen_mu(smollm2, engine, t
         processing_class=tokenizer,
         args=args,
         engine=engine,
+        behavior_logps_source=source,
         progress=False,
         sampling=SamplingSettings(num_samples=2, max_new_tokens=48, seed=0),
     )
-    reference = sample_completions(
+    reference = sample_completions(  # with transformers
         model,
         arithmetic(4),
         gsm8k_reward,
         processing_class=tokenizer,
-        args=args_for(tmp_path, use_vllm=False),
+        args=args,
         progress=False,
         sampling=SamplingSettings(num_samples=2, max_new_tokens=8, seed=0),
     )
@@ -200,18 +205,17 @@ def check_round_two_sampled_from_round_one(output_dir, start: str, tokenizer, re
     assert min(stale) > 20 * rounds[2]["behavior_logps_mismatch_max"]
 
 
-def loop_args(output_dir, **kwargs) -> TOPRConfig:
-    return args_for(output_dir, max_steps=-1, learning_rate=1e-4, per_device_train_batch_size=4, **kwargs)
+def train_args(output_dir) -> TOPRConfig:
+    return args_for(output_dir, max_steps=-1, learning_rate=1e-4, per_device_train_batch_size=4)
 
 
-LOOP = dict(
-    num_rounds=2,
-    correct_func=gsm8k_reward,
-    answer_func=extract_final_answer,
-    sampling=SamplingSettings(num_samples=4, max_new_tokens=24, batch_size=8),
-    eval_sampling=SamplingSettings(num_samples=2, max_new_tokens=24, seed=0),
-    progress=False,
-)
+def loop_args(**kwargs) -> TOPRLoopConfig:
+    """Two rounds of 4 samples a prompt, evaluated with 2, sampled and evaluated with vLLM."""
+    options = dict(num_rounds=2, num_generations=4, max_completion_length=24, sampling_batch_size=8)
+    return vllm_for(**{**options, "num_generations_eval": 2, **kwargs})
+
+
+LOOP = dict(correct_func=gsm8k_reward, answer_func=extract_final_answer)
 
 
 def test_loop_with_colocated_vllm_samples_each_round_from_the_last_rounds_weights(
@@ -231,10 +235,10 @@ def test_loop_with_colocated_vllm_samples_each_round_from_the_last_rounds_weight
             path,
             arithmetic(8),
             gsm8k_reward,
-            loop_args(output_dir),
+            loop_args(replay_rounds=1),
+            train_args(output_dir),
             eval_prompts=arithmetic(2),
             engine=engine,
-            replay_rounds=1,
             **LOOP,
         )
         assert engine.folder == str(output_dir / "round-2") and engine.vllm_generation.llm is not None
@@ -298,8 +302,10 @@ def server(smollm2, tmp_path):
 def test_loop_through_a_vllm_server_samples_round_two_from_round_one(smollm2, server, tmp_path):
     path, tokenizer = smollm2
     output_dir = tmp_path / "loop"
-    args = loop_args(output_dir, vllm_mode="server", vllm_server_host="127.0.0.1", vllm_server_port=server)
-    run_topr_loop(path, arithmetic(8), gsm8k_reward, args, eval_prompts=arithmetic(2), **LOOP)
+    server_args = loop_args(vllm_mode="server", vllm_server_host="127.0.0.1", vllm_server_port=server)
+    run_topr_loop(
+        path, arithmetic(8), gsm8k_reward, server_args, train_args(output_dir), eval_prompts=arithmetic(2), **LOOP
+    )
     check_round_two_sampled_from_round_one(output_dir, path, tokenizer)
 
 
@@ -349,7 +355,7 @@ def test_verifier_recipe_with_vllm_shares_one_engine_across_its_stages(smollm2, 
     import verifier
 
     path, _ = smollm2
-    script_args, training_args, model_args = verifier.make_parser().parse_args_and_config(
+    script_args, loop_args_, training_args, model_args = verifier.make_parser().parse_args_and_config(
         [
             "--config",
             os.path.join(os.path.dirname(__file__), "..", "recipes", "configs", "verifier_embedded_cpu.yaml"),
@@ -365,13 +371,13 @@ def test_verifier_recipe_with_vllm_shares_one_engine_across_its_stages(smollm2, 
             "2",
             "--num_rounds",
             "1",
-            "--num_verdicts",
+            "--num_generations",
             "2",
-            "--eval_num_verdicts",
+            "--num_generations_eval",
             "2",
             "--solution_max_new_tokens",
             "16",
-            "--verdict_max_new_tokens",
+            "--max_completion_length",
             "16",
             "--bf16",
             "false",
@@ -382,7 +388,7 @@ def test_verifier_recipe_with_vllm_shares_one_engine_across_its_stages(smollm2, 
         ]
     )
     with caplog.at_level(logging.INFO, logger="trl_topr"):
-        results = verifier.main(script_args, training_args, model_args)
+        results = verifier.main(script_args, loop_args_, training_args, model_args)
     assert sum("Starting vLLM" in record.getMessage() for record in caplog.records) == 1
     samples = [json.loads(line) for line in (tmp_path / "out" / "round-1" / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 2 * 2 * 2 and all("sampler_logps" in s for s in samples)  # the loop sampled with vLLM
@@ -408,7 +414,7 @@ def test_eval_command_samples_with_vllm(smollm2, tmp_path, monkeypatch):
         )
     )
     parser = eval_script.make_parser()
-    script_args, generation_args, vllm_args = parser.parse_args_into_dataclasses(
+    parsed = parser.parse_args_into_dataclasses(
         [
             "--model_name_or_path",
             path,
@@ -417,9 +423,9 @@ def test_eval_command_samples_with_vllm(smollm2, tmp_path, monkeypatch):
             "--prompt_column",
             "question",
             "--conversational",
-            "--num_samples",
+            "--num_generations",
             "2",
-            "--max_new_tokens",
+            "--max_completion_length",
             "24",
             "--use_vllm",
             "--vllm_max_model_length",
@@ -428,8 +434,8 @@ def test_eval_command_samples_with_vllm(smollm2, tmp_path, monkeypatch):
             str(tmp_path / "metrics.json"),
         ]
     )
-    assert vllm_args.use_vllm
-    metrics = eval_script.main(script_args, generation_args, vllm_args)
+    assert parsed[2].use_vllm  # the loop's configuration: the engine's
+    metrics = eval_script.main(*parsed)
     assert calls == [3, 3]  # greedy, then the samples: every prompt through vLLM
     assert set(metrics) >= {"pass@1_greedy", "pass@1", "maj@2", "invalid_rate"}
     assert json.loads((tmp_path / "metrics.json").read_text()) == metrics
@@ -440,13 +446,13 @@ def test_vllm_samples_with_tools_what_transformers_samples(tool_policy, tmp_path
     # the one the data contract cuts from the same messages (as with transformers, `tests/test_tool_calling.py`).
     model = AutoModelForCausalLM.from_pretrained(tool_policy, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(tool_policy)
-    args = args_for(tmp_path, vllm_max_model_length=2048)
+    args = args_for(tmp_path)
     prompts = Dataset.from_dict({"prompt": [TOOL_PROMPT] * 2})
 
     def answered(prompts, completions, **kwargs):
         return [1.0 if "56" in c[-1]["content"] else -1.0 for c in completions]
 
-    engine = VLLMEngine.from_config(model, tokenizer, args)
+    engine = VLLMEngine.from_config(model, tokenizer, vllm_for(vllm_max_model_length=2048), bf16=False)
     try:
         samples = sample_completions(
             model,

@@ -29,7 +29,7 @@ def main(parts: str, engine: str, tests_dir: str, model_path: str, output_dir: s
 
         reapply_fsdp_plugin()
     from conftest import alive, recording_trainer
-    from test_vllm import LOOP, arithmetic, loop_args, online_args
+    from test_vllm import LOOP, arithmetic, loop_args, online_args, train_args
 
     import trl_topr.loop
     from trl_topr import TOPRGRPOTrainer, run_topr_loop
@@ -40,7 +40,13 @@ def main(parts: str, engine: str, tests_dir: str, model_path: str, output_dir: s
         trained = []
         trl_topr.loop.TOPRTrainer = recording_trainer(trained)  # what each round leaves alive (none should be)
         result["rounds"] = run_topr_loop(
-            model_path, arithmetic(8), gsm8k_reward, loop_args(output_dir), eval_prompts=arithmetic(3), **LOOP
+            model_path,
+            arithmetic(8),
+            gsm8k_reward,
+            loop_args(),
+            train_args(output_dir),
+            eval_prompts=arithmetic(3),
+            **LOOP,
         )
         result["loop_trained"], result["loop_alive"] = [name for name, _ in trained], alive(trained)
         # the loop has closed its engine by now: the processes keep their group (vLLM's teardown destroys it)

@@ -14,6 +14,7 @@ from .data import DataCollatorForTOPR, TOPRDataError
 from .evaluation import best_of_n, evaluate_policy, weighted_vote
 from .generation import SamplingSettings, generation_engine
 from .loop import LoopCallback, read_rounds, run_topr_loop
+from .loop_config import TOPRLoopConfig
 from .loss import topr_loss, topr_weights
 from .online import TOPRGRPOConfig, TOPRGRPOTrainer
 from .rewards import (
@@ -37,6 +38,7 @@ __all__ = [
     "TOPRDataError",
     "TOPRGRPOConfig",
     "TOPRGRPOTrainer",
+    "TOPRLoopConfig",
     "TOPRTrainer",
     "anna_karenina",
     "baseline_for_positive_fraction",

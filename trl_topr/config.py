@@ -4,7 +4,6 @@ from dataclasses import dataclass, field
 from trl import SFTConfig
 
 from .compat import CHECKPOINTING
-from .generation.arguments import VLLMArguments
 from .loss import LOSS_NORMALIZATIONS, LOSS_TYPES, LOSS_TYPES_HELP, RATIO_LEVELS, check_loss_options
 from .precision import apply_precision_defaults
 
@@ -79,9 +78,10 @@ def apply_training_defaults(args) -> None:
 
 
 @dataclass
-class TOPRConfig(VLLMArguments, ActivationCheckpointingName, SFTConfig):
+class TOPRConfig(ActivationCheckpointingName, SFTConfig):
     r"""
-    Configuration class for the [`TOPRTrainer`].
+    Configuration class for the [`TOPRTrainer`]: what training reads, in the trainer and in each round of
+    [`run_topr_loop`] (whose own options, sampling included, are [`TOPRLoopConfig`]'s).
 
     Extends TRL's [`~trl.SFTConfig`], whose data preprocessing (tokenization of prompt/completion pairs, chat
     templates, `max_length` truncation) and model options (`model_init_kwargs`, PEFT, quantization) are used as they
@@ -142,15 +142,6 @@ class TOPRConfig(VLLMArguments, ActivationCheckpointingName, SFTConfig):
             training with the initial policy.
         precompute_behavior_batch_size (`int`, *optional*):
             Batch size of the behavior log-prob precompute. Defaults to `per_device_eval_batch_size`.
-
-        > Parameters that control sampling (the loop, `sample_completions`)
-
-        use_vllm, vllm_mode, vllm_server_base_url, vllm_server_host, vllm_server_port, vllm_server_timeout,
-        vllm_gpu_memory_utilization, vllm_max_model_length, vllm_tensor_parallel_size, vllm_enable_sleep_mode,
-        vllm_model_impl, behavior_logps_source, max_tool_calling_iterations:
-            Sampling with vLLM and with tools, as in TRL's [`~trl.GRPOConfig`], and the source of the behavior
-            log-probs; see [`~trl_topr.generation.arguments.VLLMArguments`]. [`TOPRTrainer`] itself does not sample:
-            it ignores them.
 
     > [!NOTE]
     > These parameters have default values different from [`~trl.SFTConfig`]:
@@ -283,7 +274,6 @@ class TOPRConfig(VLLMArguments, ActivationCheckpointingName, SFTConfig):
     def __post_init__(self):
         apply_training_defaults(self)
         super().__post_init__()
-        self.check_vllm_arguments()
         check_topr_options(self)
         # TOPR's loss is a sum over each completion, and its mean is over the batch's completions: a batch holds
         # `per_device_train_batch_size` whole rows. `padding_free` keeps that (it only lays the rows end to end);

@@ -5,6 +5,7 @@
 engine ([`~trl_topr.generation`]), started once and given each round's weights."""
 
 import dataclasses
+import importlib
 import json
 import os
 import shutil
@@ -26,7 +27,8 @@ from .config import TOPRConfig
 from .data import PROMPT, REWARD, check_prompts
 from .distributed import check_saves_whole_weights, release_trainer, unsharded_loading
 from .evaluation import evaluate_policy
-from .generation import GenerationEngine, SamplingSettings, generation_engine
+from .generation import GenerationEngine, generation_engine
+from .loop_config import TOPRLoopConfig
 from .replay import (
     SAMPLE_ROUND,
     TRAIN_ROWS_FILE,
@@ -142,59 +144,49 @@ def run_topr_loop(
     model: str,
     train_prompts: Dataset,
     reward_funcs: RewardFuncs,
-    args: TOPRConfig,
+    loop_args: TOPRLoopConfig | None,
+    train_args: TOPRConfig,
     *,
-    num_rounds: int = 1,
-    reward_weights: list[float] | None = None,
     eval_prompts: Dataset | dict[str, Dataset] | None = None,
     correct_func: Callable | None = None,
     answer_func: Callable[[str], str | None] | None = None,
-    curate: Callable[[Dataset], Dataset] | None = None,
     processing_class: PreTrainedTokenizerBase | None = None,
     peft_config=None,
     quantization_config=None,
-    sampling: SamplingSettings | None = None,
-    eval_sampling: SamplingSettings | None = None,
-    progress: bool = True,
     engine: GenerationEngine | None = None,
-    replay_rounds: int = 0,
     callbacks: list[LoopCallback] | None = None,
     tools: list[Callable] | None = None,
-    prompts_per_round: int | None = None,
 ) -> list[dict[str, Any]]:
     """
     Iterative TOPR, as in the paper: each round samples with the current model (mu = that model), scores, curates,
-    trains on the result (`args.num_train_epochs`, the paper's one epoch by default), evaluates and saves.
+    trains on the result (`train_args.num_train_epochs`, the paper's one epoch by default), evaluates and saves.
 
-    Everything goes to `args.output_dir`: `round-<r>/` holds the model after round r, its sampled dataset
-    (`samples.jsonl`), the rows it sampled and trained on (`train.jsonl`: curated, with their behavior log-probs) and
-    its training logs (`trainer_state.json`) and each held-out prompt's outcome (`evaluation[-<name>].jsonl`, round 0
-    for the initial model), `metrics.jsonl` one line per completed round (round 0 evaluates the initial model) and
-    `metrics.png` their plot. A round counts as completed once its line is written
-    (the file is replaced whole, so a kill never leaves half a line): started again, the loop resumes after the last
-    completed round, redoing an interrupted one from its start. Under `accelerate launch`, every process runs the loop:
-    sampling and evaluation are split across the processes, training is data-parallel, and the main process writes the
-    files.
+    Everything goes to `train_args.output_dir`: `round-<r>/` holds the model after round r, its sampled dataset
+    (`samples.jsonl`), the rows it sampled and trained on (`train.jsonl`: curated, with their behavior log-probs), its
+    training logs (`trainer_state.json`) and each held-out prompt's outcome (`evaluation[-<name>].jsonl`, round 0 for
+    the initial model); `metrics.jsonl` one line per completed round (round 0 evaluates the initial model) and
+    `metrics.png` their plot. A round counts as completed once its line is written (the file is replaced whole, so a
+    kill never leaves half a line): started again, the loop resumes after the last completed round, redoing an
+    interrupted one from its start. Under `accelerate launch`, every process runs the loop: sampling and evaluation
+    are split across the processes, training is data-parallel, and the main process writes the files.
 
     Args:
         model (`str`):
             Id or path of the initial model.
         train_prompts ([`~datasets.Dataset`]):
             Prompts to sample from (`prompt` column plus what the reward functions read): all of them every round, or
-            the next `prompts_per_round` of them.
+            the next `loop_args.prompts_per_round` of them ([`round_prompts`]).
         reward_funcs (`Callable`, `list[Callable]` or `dict[str, Callable]`):
-            Reward functions with TRL GRPO's signature, see [`sample_completions`].
-        args ([`TOPRConfig`]):
+            Reward functions with TRL GRPO's signature, see [`sample_completions`]; weighted by
+            `loop_args.reward_weights`.
+        loop_args ([`TOPRLoopConfig`], *optional*):
+            The loop's own options: the rounds, replay and curation, how each round samples and the evaluation
+            samples, the generation engine (vLLM with `use_vllm`: started once, it reloads each round's saved folder
+            in place) and the tools' limits. `None` for its defaults.
+        train_args ([`TOPRConfig`]):
             Training configuration of every round; `output_dir` is the loop's folder, and each round trains
-            `num_train_epochs` on its data (or `max_steps` steps, when set), with a fresh optimizer and schedule. With
-            `use_vllm` (TRL's `vllm_*` options), vLLM samples and evaluates: started once, it reloads each round's
-            saved folder in place, and its log-probs are compared with the trainer's (`behavior_logps_mismatch_*`
-            metrics); see [`~trl_topr.generation.arguments.VLLMArguments`].
-        num_rounds (`int`, *optional*, defaults to `1`):
-            Total number of rounds, those already completed in `output_dir` included (0: evaluate the initial model
-            only). Fewer than the folder has completed is refused.
-        reward_weights (`list[float]`, *optional*):
-            Weights of the reward functions.
+            `num_train_epochs` on its data (or `max_steps` steps, when set), with a fresh optimizer and schedule;
+            `seed` + r seeds round r's sampling, `seed` the evaluation's; `disable_tqdm` hides the progress bars.
         eval_prompts ([`~datasets.Dataset`] or `dict[str, Dataset]`, *optional*):
             Held-out prompts evaluated after every round with [`evaluate_policy`] (needs `correct_func` and
             `answer_func`). A dict evaluates each of its datasets, as TRL's `eval_dataset` does, and names each metric
@@ -203,50 +195,26 @@ def run_topr_loop(
             Reward function whose value > 0 means correct, for the evaluation.
         answer_func (`Callable[[str], str | None]`, *optional*):
             Final-answer extractor, for maj@k and the invalid rate.
-        curate (`Callable[[Dataset], Dataset]`, *optional*):
-            Transformation of each round's samples before training (e.g. [`~trl_topr.curation.anna_karenina`]).
         processing_class ([`~transformers.PreTrainedTokenizerBase`], *optional*):
             Tokenizer; loaded from `model` if `None`.
         peft_config ([`~peft.PeftConfig`], *optional*):
             Train a fresh adapter each round (LoRA). It is merged into the model saved for the next round, in the
-            precision of `args.model_init_kwargs`; the adapter alone is kept in `round-<r>/adapter`.
+            precision of `train_args.model_init_kwargs`; the adapter alone is kept in `round-<r>/adapter`.
         quantization_config ([`~transformers.BitsAndBytesConfig`], *optional*):
             Load each round's model quantized, for sampling and training (QLoRA with `peft_config`).
-        sampling ([`~trl_topr.generation.SamplingSettings`], *optional*):
-            How each round samples (its `seed` is replaced by `args.seed` + the round). Defaults to
-            [`sample_completions`]'s defaults.
-        eval_sampling ([`~trl_topr.generation.SamplingSettings`], *optional*):
-            How the evaluation samples its k completions (`num_samples`). Defaults to [`evaluate_policy`]'s.
-        progress (`bool`, *optional*, defaults to `True`):
-            Show the sampling progress bars.
         engine ([`~trl_topr.generation.GenerationEngine`], *optional*):
             Generate with this engine (e.g. one the caller also uses before or after the loop): the loop gives it
-            each round's weights and leaves it open. By default the loop builds the engine `args` asks for
+            each round's weights and leaves it open. By default the loop builds the engine `loop_args` asks for
             ([`~trl_topr.generation.generation_engine`]) when it first needs one, and closes it at the end.
-        replay_rounds (`int`, *optional*, defaults to `0`):
-            Off-policy replay: round r trains on its own rows plus the training rows of the `replay_rounds` rounds
-            before it, read back from their `train.jsonl` with the behavior log-probs recorded when they were sampled
-            (mu: the policy of their own round; never sampled or scored again). Curation applies to each round's new
-            samples only. With replay, each round also reports metrics by sample age at the start of its training
-            (`age_<k>/...`, see [`~trl_topr.replay.metrics_by_age`]). A `train.jsonl` to replay that is missing, or
-            cut (fewer rows than its round recorded, or a line that is not a whole row), stops the loop with an error
-            naming the file and the line, before the round samples (resumed rounds) or trains; no completed round is
-            lost (see [`~trl_topr.replay.read_train_rows`]).
         callbacks (`list[LoopCallback]`, *optional*):
             Hooks called at the start of each round, when its trainer is built and when its line is recorded (see
             [`LoopCallback`]).
         tools (`list[Callable]`, *optional*):
             Tools the policy may call while it samples and while it is evaluated, as TRL's GRPO trainer takes them
-            (see [`sample_completions`]), up to `args.max_tool_calling_iterations` rounds of calls per trajectory.
-            Only the tokens the policy generated are trained (the trajectories' `tool_mask`, kept by replay); each
-            round records `tools/call_frequency` and `tools/failure_frequency` (calls and failed calls per sample), and
-            the evaluation its `tool_call_rate`.
-        prompts_per_round (`int`, *optional*):
-            Sample this many prompts a round, the next ones of `train_prompts` in order (round 1 its first
-            `prompts_per_round`, round 2 the next, ...; past its end it starts again from the top), so that the rounds
-            go through the prompts as epochs do and no prompt comes back before every other one has been sampled, as
-            in the paper's rounds over a whole training set (see [`round_prompts`]). Shuffle `train_prompts` first
-            for a random order. `None` (the default): every prompt, every round.
+            (see [`sample_completions`]), up to `loop_args.max_tool_calling_iterations` rounds of calls per
+            trajectory. Only the tokens the policy generated are trained (the trajectories' `tool_mask`, kept by
+            replay); each round records `tools/call_frequency` and `tools/failure_frequency` (calls and failed calls
+            per sample), and the evaluation its `tool_call_rate`.
 
     Returns:
         `list[dict[str, Any]]`: the metrics of every completed round, round 0 included.
@@ -255,37 +223,30 @@ def run_topr_loop(
         `ValueError`, `TypeError`, [`~trl_topr.TOPRDataError`]:
             For bad arguments, prompts or reward functions, before anything is loaded, generated or written (the
             prompts' errors name the column and the row).
+
+    Replay (`loop_args.replay_rounds`): round r trains on its own rows plus the training rows of the rounds before
+    it, read back from their `train.jsonl` with the behavior log-probs recorded when they were sampled (mu: the policy
+    of their own round; never sampled or scored again). Curation applies to each round's new samples only. Each round
+    then also reports metrics by sample age at the start of its training (`age_<k>/...`, see
+    [`~trl_topr.replay.metrics_by_age`]). A `train.jsonl` to replay that is missing, or cut (fewer rows than its round
+    recorded, or a line that is not a whole row), stops the loop with an error naming the file and the line, before
+    the round samples (resumed rounds) or trains; no completed round is lost (see
+    [`~trl_topr.replay.read_train_rows`]).
     """
-    sampling = sampling or SamplingSettings(num_samples=4)  # `sample_completions`' defaults
-    eval_sampling = eval_sampling or SamplingSettings(num_samples=4, seed=0)  # `evaluate_policy`'s
-    _check_arguments(
-        model,
-        args,
-        num_rounds,
-        replay_rounds,
-        prompts_per_round,
-        sampling,
-        eval_sampling,
-        engine,
-        curate=curate,
-        correct_func=correct_func,
-        answer_func=answer_func,
-    )
-    _check_prompts_and_rewards(train_prompts, eval_prompts, reward_funcs, reward_weights, correct_func, answer_func)
-    if prompts_per_round is not None and prompts_per_round > len(train_prompts):
-        raise ValueError(
-            f"`prompts_per_round` ({prompts_per_round}) is more than the {len(train_prompts)} train prompts: a round "
-            "would sample some prompts twice. Give at most as many, or `None` for every prompt every round."
-        )
+    loop_args = loop_args if loop_args is not None else TOPRLoopConfig()
+    _check_arguments(model, loop_args, train_args, engine, correct_func=correct_func, answer_func=answer_func)
+    _check_prompts_and_rewards(train_prompts, eval_prompts, reward_funcs, loop_args, correct_func, answer_func)
+    curate = curation_function(loop_args.curation)
     processing_class = processing_class or AutoTokenizer.from_pretrained(model)
     if tools:
         for prompts in [train_prompts, *_named(eval_prompts).values()]:
             prepare_tool_calling(processing_class, tools, list(prompts[PROMPT]))
-    checked_prompt_ids(processing_class, list(train_prompts[PROMPT]), args.max_length, "train prompts", tools)
-    models = _RoundModels(model, args, processing_class, peft_config, quantization_config)
-    log = _RoundLog(args.output_dir, callbacks or [])
-    log.check_resumable(num_rounds, replay_rounds)  # before anything is written
-    engine_of_the_loop = engine is None
+    checked_prompt_ids(processing_class, list(train_prompts[PROMPT]), train_args.max_length, "train prompts", tools)
+    models = _RoundModels(model, train_args, processing_class, peft_config, quantization_config)
+    log = _RoundLog(train_args.output_dir, callbacks or [])
+    log.check_resumable(loop_args.num_rounds, loop_args.replay_rounds)  # before anything is written
+    engine_of_the_loop, progress = engine is None, not train_args.disable_tqdm
+    generation = {"tools": tools, "max_tool_calling_iterations": loop_args.max_tool_calling_iterations}
 
     def evaluate(round_index: int, folder: str, policy, training_engine=None) -> dict[str, float]:
         engine.load_weights(folder, model=policy, training_engine=training_engine)
@@ -298,12 +259,11 @@ def run_topr_loop(
                 prompts,
                 correct_func,
                 answer_func,
-                eval_sampling,
+                loop_args.eval_sampling(seed=train_args.seed),
                 engine=engine,
                 progress=progress,
-                tools=tools,
-                max_tool_calling_iterations=args.max_tool_calling_iterations,
                 return_per_prompt=True,
+                **generation,
             )
             log.save_evaluation(per_prompt, round_index, name)
             metrics.update({f"{name}/{key}" if name else key: value for key, value in values.items()})
@@ -312,37 +272,40 @@ def run_topr_loop(
     try:
         if not log.rounds:
             policy = models.load(model)
-            engine = engine or generation_engine(policy, processing_class, args)
+            engine = engine or generation_engine(policy, processing_class, loop_args, train_args)
             log.record({"round": 0, **evaluate(0, model, policy)})
             engine.release_weights()
             del policy
-        for round_index in range(log.rounds[-1]["round"] + 1, num_rounds + 1):
+        for round_index in range(log.rounds[-1]["round"] + 1, loop_args.num_rounds + 1):
             round_dir, previous = log.start_round(round_index), models.folder_before(round_index, log.output_dir)
             policy = models.load(previous)
-            engine = engine or generation_engine(policy, processing_class, args)
+            engine = engine or generation_engine(policy, processing_class, loop_args, train_args)
             engine.load_weights(previous, model=policy)
-            prompts = round_prompts(train_prompts, round_index, prompts_per_round)
-            logger.info(f"Round {round_index}/{num_rounds}: sampling completions of {len(prompts)} prompts")
+            prompts = round_prompts(train_prompts, round_index, loop_args.prompts_per_round)
+            logger.info(f"Round {round_index}/{loop_args.num_rounds}: sampling completions of {len(prompts)} prompts")
             samples = sample_completions(
                 policy,
                 prompts,
                 reward_funcs,
                 processing_class=processing_class,
-                reward_weights=reward_weights,
-                args=args,
+                reward_weights=loop_args.reward_weights,
+                sampling=loop_args.sampling(seed=train_args.seed + round_index),
+                args=train_args,
                 engine=engine,
+                behavior_logps_source=loop_args.behavior_logps_source,
                 progress=progress,
-                sampling=sampling.replace(seed=args.seed + round_index),
-                tools=tools,
+                **generation,
             )
             log.save_samples(samples, round_dir)
             own = curate(samples) if curate is not None else samples
             own = own.add_column(SAMPLE_ROUND, [round_index] * len(own))
             log.save_train_rows(own, round_dir)
-            train_data = with_replayed_rows(own, log.output_dir, round_index, replay_rounds, log.recorded_rows())
-            trainer = _round_trainer(policy, train_data, args, round_dir, processing_class, peft_config)
+            train_data = with_replayed_rows(
+                own, log.output_dir, round_index, loop_args.replay_rounds, log.recorded_rows()
+            )
+            trainer = _round_trainer(policy, train_data, train_args, round_dir, processing_class, peft_config)
             log.trainer_created(round_index, trainer)
-            ages = _ages(policy, train_data, round_index, args, trainer, sampling) if replay_rounds else {}
+            ages = _ages(policy, train_data, round_index, train_args, trainer, loop_args)
             train_loss = trainer.train().training_loss
             log.save_trainer_state(trainer, round_dir)
             models.save(trainer, previous, round_dir)
@@ -362,6 +325,39 @@ def run_topr_loop(
         if engine_of_the_loop and engine is not None:
             engine.close()  # keeps the processes' torch.distributed group for the script's next steps
     return read_rounds(str(log.output_dir))
+
+
+def curation_function(name: str | None) -> Callable[[Dataset], Dataset] | None:
+    """
+    The curation function a [`TOPRLoopConfig`] names (`curation`): a function of `trl_topr.curation` by its name, or
+    any function by its dotted path.
+
+    Args:
+        name (`str`, *optional*):
+            `"anna_karenina"`, or `"module.function"`; `None` for no curation.
+
+    Returns:
+        `Callable[[Dataset], Dataset]` or `None`.
+
+    Raises:
+        `ValueError`: naming what could not be found.
+    """
+    if name is None:
+        return None
+    from . import curation
+
+    module_name, _, attribute = name.rpartition(".")
+    try:
+        module = importlib.import_module(module_name) if module_name else curation
+    except ModuleNotFoundError as error:
+        raise ValueError(f"`curation` {name!r}: {error}.") from error
+    function = getattr(module, attribute, None)
+    if not callable(function):
+        raise ValueError(
+            f"`curation` {name!r} is neither a function of trl_topr.curation (e.g. 'anna_karenina') nor a dotted "
+            "path to a function (`my_module.my_curation`)."
+        )
+    return function
 
 
 def round_prompts(prompts: Dataset, round_index: int, prompts_per_round: int | None) -> Dataset:
@@ -387,7 +383,7 @@ def round_prompts(prompts: Dataset, round_index: int, prompts_per_round: int | N
     >>> from trl_topr.loop import round_prompts
 
     >>> prompts = Dataset.from_dict({"prompt": ["a", "b", "c", "d", "e"]})
-    >>> [round_prompts(prompts, r, 2)["prompt"] for r in (1, 2, 3)]
+    >>> [list(round_prompts(prompts, r, 2)["prompt"]) for r in (1, 2, 3)]
     [['a', 'b'], ['c', 'd'], ['e', 'a']]
 
     ```
@@ -398,9 +394,7 @@ def round_prompts(prompts: Dataset, round_index: int, prompts_per_round: int | N
     return prompts.select([(start + i) % len(prompts) for i in range(prompts_per_round)])
 
 
-def _check_arguments(
-    model, args, num_rounds, replay_rounds, prompts_per_round, sampling, eval_sampling, engine, **callables
-) -> None:
+def _check_arguments(model, loop_args, train_args, engine, **callables) -> None:
     # The loop's own arguments, before anything is loaded or written
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(
@@ -408,21 +402,10 @@ def _check_arguments(
             "in memory with `save_pretrained` and pass its folder (each round loads the previous round's "
             "folder)."
         )
-    if not isinstance(args, TOPRConfig):
-        raise TypeError(f"`args` must be a `TOPRConfig`, got a {type(args).__name__}.")
-    for name, value in (("num_rounds", num_rounds), ("replay_rounds", replay_rounds)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"`{name}` must be an integer >= 0, got {value!r}.")
-    if prompts_per_round is not None and (
-        not isinstance(prompts_per_round, int) or isinstance(prompts_per_round, bool) or prompts_per_round < 1
-    ):
-        raise ValueError(f"`prompts_per_round` must be an integer >= 1 or None, got {prompts_per_round!r}.")
-    for name, value in (("sampling", sampling), ("eval_sampling", eval_sampling)):
-        if not isinstance(value, SamplingSettings):
-            raise TypeError(
-                f"`{name}` must be a `SamplingSettings` (`trl_topr.generation`), got a "
-                f"{type(value).__name__}: e.g. `SamplingSettings(num_samples=4, max_new_tokens=256)`."
-            )
+    if not isinstance(loop_args, TOPRLoopConfig):
+        raise TypeError(f"`loop_args` must be a `TOPRLoopConfig`, got a {type(loop_args).__name__}.")
+    if not isinstance(train_args, TOPRConfig):
+        raise TypeError(f"`train_args` must be a `TOPRConfig`, got a {type(train_args).__name__}.")
     if engine is not None and not isinstance(engine, GenerationEngine):
         raise TypeError(
             f"`engine` must be a `GenerationEngine` (`trl_topr.generation`), got a {type(engine).__name__}."
@@ -430,12 +413,19 @@ def _check_arguments(
     for name, value in callables.items():
         if value is not None and not callable(value):
             raise TypeError(f"`{name}` must be callable, got a {type(value).__name__}.")
+    curation_function(loop_args.curation)  # a name that resolves to no function fails here
 
 
-def _check_prompts_and_rewards(train_prompts, eval_prompts, reward_funcs, reward_weights, correct_func, answer_func):
+def _check_prompts_and_rewards(train_prompts, eval_prompts, reward_funcs, loop_args, correct_func, answer_func):
     # The prompts and what scores their completions, before anything is generated
     check_prompts(train_prompts, "train prompts")
-    reward_functions(reward_funcs, reward_weights)
+    reward_functions(reward_funcs, loop_args.reward_weights)
+    if loop_args.prompts_per_round is not None and loop_args.prompts_per_round > len(train_prompts):
+        raise ValueError(
+            f"`prompts_per_round` ({loop_args.prompts_per_round}) is more than the {len(train_prompts)} train "
+            "prompts: a round would sample some prompts twice. Give at most as many, or `None` for every prompt "
+            "every round."
+        )
     if eval_prompts is not None:
         if correct_func is None or answer_func is None:
             raise ValueError("Evaluating `eval_prompts` needs `correct_func` and `answer_func`.")
@@ -506,8 +496,10 @@ def _round_trainer(policy, train_data: Dataset, args: TOPRConfig, round_dir: Pat
     return trainer
 
 
-def _ages(policy, train_data: Dataset, round_index: int, args: TOPRConfig, trainer, sampling: SamplingSettings):
-    # The metrics by sample age, with the round's starting policy, before its first update
+def _ages(policy, train_data: Dataset, round_index: int, args: TOPRConfig, trainer, loop_args: TOPRLoopConfig):
+    # With replay, the metrics by sample age, with the round's starting policy, before its first update
+    if not loop_args.replay_rounds:
+        return {}
     return metrics_by_age(
         policy,
         train_data,
@@ -515,7 +507,7 @@ def _ages(policy, train_data: Dataset, round_index: int, args: TOPRConfig, train
         args,
         trainer.baseline,
         trainer.processing_class,
-        batch_size=sampling.batch_size,
+        batch_size=loop_args.sampling_batch_size,
     )
 
 

@@ -32,6 +32,7 @@ from .data import (
     check_prompts,
 )
 from .generation import (
+    BEHAVIOR_LOGPS_SOURCES,
     GenerationEngine,
     SamplingSettings,
     TransformersEngine,
@@ -320,7 +321,9 @@ def sample_completions(
     sampling: SamplingSettings | None = None,
     args=None,
     engine: GenerationEngine | None = None,
+    behavior_logps_source: str = "trainer",
     tools: list[Callable] | None = None,
+    max_tool_calling_iterations: int | None = None,
     progress: bool = True,
 ) -> Dataset:
     """
@@ -346,22 +349,24 @@ def sample_completions(
             paper's GSM8K runs used `SamplingSettings(num_samples=16, top_k=500, max_new_tokens=512)`.
         args ([`TOPRConfig`], *optional*):
             The configuration the dataset will be trained with: its `max_length`, mixed precision, `padding_free` and
-            `model_init_kwargs` set how the behavior log-probs are computed, its generation options
-            (`use_vllm`, ...) the engine, its `behavior_logps_source` where mu comes from. Defaults to training's
-            defaults (transformers, the precision the hardware computes fastest). The returned columns always have
-            the canonical names.
+            `model_init_kwargs` set how the behavior log-probs are computed. Defaults to training's defaults (the
+            precision the hardware computes fastest). The returned columns always have the canonical names.
         engine ([`~trl_topr.generation.GenerationEngine`], *optional*):
-            Generate with this engine, holding the same weights as `model`. Without it, the engine `args` asks for
-            is built for this call ([`~trl_topr.generation.generation_engine`]) and closed after generating. The
-            behavior log-probs come from `args.behavior_logps_source`: recomputed by `model` as the trainer computes
-            them (default), or the engine's own (vLLM).
+            Generate with this engine (e.g. vLLM, from [`~trl_topr.generation.generation_engine`]), holding the same
+            weights as `model`. Defaults to transformers' `generate` with `model`, in the precision of `args`.
+        behavior_logps_source (`str`, *optional*, defaults to `"trainer"`):
+            Where the behavior log-probs come from: `"trainer"`, recomputed by `model` as the trainer computes them;
+            `"sampler"`, the engine's own (vLLM's), free but computed by other kernels.
         tools (`list[Callable]`, *optional*):
             Tools the policy may call, as TRL's GRPO trainer takes them (functions with type hints and a docstring
             describing their arguments; conversational prompts, and a chat template that supports tools). Each
             completion is then a trajectory ([`~trl_topr.tool_calling.generate_trajectories`]): the policy's turns
-            and the tools' results, up to `args.max_tool_calling_iterations` rounds of calls, within
-            `sampling.max_new_tokens` tokens in all. Its `tool_mask` marks the tokens the policy generated, which
-            alone are trained and make up its behavior log-probs; reward functions see the whole trajectory.
+            and the tools' results, within `sampling.max_new_tokens` tokens in all. Its `tool_mask` marks the tokens
+            the policy generated, which alone are trained and make up its behavior log-probs; reward functions see
+            the whole trajectory.
+        max_tool_calling_iterations (`int`, *optional*):
+            With `tools`, the most rounds of calls of a trajectory (TRL GRPO's option); `None`: no limit but the
+            length.
         progress (`bool`, *optional*, defaults to `True`):
             Show a progress bar over prompts.
 
@@ -393,6 +398,10 @@ def sample_completions(
     ```
     """
     sampling = sampling or SamplingSettings(num_samples=4, seed=0)
+    if behavior_logps_source not in BEHAVIOR_LOGPS_SOURCES:
+        raise ValueError(
+            f"`behavior_logps_source` must be one of {BEHAVIOR_LOGPS_SOURCES}, got {behavior_logps_source!r}."
+        )
     check_prompts(dataset)
     reward_functions(reward_funcs, reward_weights)  # before anything is generated
     if isinstance(model, str):
@@ -403,19 +412,13 @@ def sample_completions(
         prepare_tool_calling(processing_class, tools, prompts)
     max_length = args.max_length if args is not None else DEFAULT_MAX_LENGTH
     all_prompt_ids = checked_prompt_ids(processing_class, prompts, max_length, tools=tools)
-    engine_of_this_call = engine is None
-    engine = engine or generation_engine(model, processing_class, args)
-    try:
-        if tools:
-            max_calls = getattr(args, "max_tool_calling_iterations", None)
-            out = generate_trajectories(
-                engine, processing_class, prompts, all_prompt_ids, sampling, tools, max_calls, progress
-            )
-        else:
-            out = engine.generate(all_prompt_ids, sampling, progress=progress)
-    finally:
-        if engine_of_this_call:
-            engine.close()  # a vLLM engine's memory back before the behavior forward
+    engine = engine or generation_engine(model, processing_class, train_args=args)
+    if tools:
+        out = generate_trajectories(
+            engine, processing_class, prompts, all_prompt_ids, sampling, tools, max_tool_calling_iterations, progress
+        )
+    else:
+        out = engine.generate(all_prompt_ids, sampling, progress=progress)
     logger.info(f"Sampled {len(out.completion_ids)} completions at {out.tokens_per_s:.1f} tokens/s.")
     rows = [i for i in range(len(dataset)) for _ in range(sampling.num_samples)]
     completions = out.completions if tools else decode_completions(processing_class, prompts, out.completion_ids)
@@ -435,7 +438,7 @@ def sample_completions(
         samples = samples.add_column(TOOL_CALL_COUNT, out.tool_calls).add_column(TOOL_FAILURE_COUNT, out.tool_failures)
     if out.logprobs is not None:
         samples = samples.add_column(SAMPLER_LOGPS, out.logprobs)
-    if getattr(args, "behavior_logps_source", "trainer") == "sampler":
+    if behavior_logps_source == "sampler":
         if out.logprobs is None or any(v is None for row in out.logprobs for v in row):
             raise ValueError("`behavior_logps_source='sampler'` needs vLLM's log-prob of every sampled token.")
         return samples.add_column(BEHAVIOR_LOGPS, out.logprobs)

@@ -1,7 +1,7 @@
 """
 The generation layer: every engine that writes completions behind one interface ([`GenerationEngine`]: generate
 under [`SamplingSettings`], take weights from a saved folder, close), the engines by name ([`ENGINES`]), their
-options ([`~trl_topr.generation.arguments.VLLMArguments`], inherited by [`~trl_topr.TOPRConfig`]) and the factory
+options ([`~trl_topr.generation.arguments.VLLMArguments`], inherited by [`~trl_topr.TOPRLoopConfig`]) and the factory
 that builds the one a configuration asks for ([`generation_engine`]). Sampling, evaluation, the loop and the recipes
 reach engines only through it.
 
@@ -14,7 +14,7 @@ A new engine is one module of this package with a subclass of [`GenerationEngine
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .arguments import VLLMArguments, engine_name
+from .arguments import BEHAVIOR_LOGPS_SOURCES, VLLMArguments, engine_name
 from .engine import GenerationEngine, Generations, end_of_sequence_ids, padding_id, prompt_ids, text_tokenizer
 from .settings import SamplingSettings
 from .transformers_engine import TransformersEngine, load_whole_model
@@ -26,21 +26,26 @@ ENGINES: dict[str, type[GenerationEngine]] = {"transformers": TransformersEngine
 
 
 def generation_engine(
-    model: "str | PreTrainedModel", processing_class: PreTrainedTokenizerBase, args=None
+    model: "str | PreTrainedModel", processing_class: PreTrainedTokenizerBase, args=None, train_args=None
 ) -> GenerationEngine:
     """
     The generation engine that `args` asks for ([`~trl_topr.generation.arguments.engine_name`] picks its name in
     [`ENGINES`]): vLLM with `use_vllm` (`vllm_mode` colocate or server), else transformers, generating in the
-    training precision (`args.bf16`).
+    training precision of `train_args` (its `bf16`). This is the one place where the configurations are unpacked into
+    an engine's options.
 
     Args:
         model (`str` or [`~transformers.PreTrainedModel`]):
             The model to generate with, or its id or folder (loaded whole on every process with
-            `args.model_init_kwargs`).
+            `train_args.model_init_kwargs`).
         processing_class ([`~transformers.PreTrainedTokenizerBase`]):
             The tokenizer.
-        args ([`~trl_topr.TOPRConfig`], *optional*):
-            The configuration; `None` for transformers with its defaults.
+        args ([`~trl_topr.TOPRLoopConfig`] or [`~trl_topr.generation.arguments.VLLMArguments`], *optional*):
+            The engine's options; `None` for transformers.
+        train_args ([`~trl_topr.TOPRConfig`], *optional*):
+            The training configuration whose precision (`bf16`), `model_init_kwargs` and `trust_remote_code` the
+            engine generates and loads weights with; `None` for the defaults (the precision the hardware computes
+            fastest).
 
     Returns:
         [`GenerationEngine`]: a [`VLLMEngine`] or a [`TransformersEngine`]; close it (or use it in a `with` block)
@@ -48,21 +53,28 @@ def generation_engine(
 
     Example:
     ```python
-    >>> from trl_topr import TOPRConfig
+    >>> from trl_topr import TOPRLoopConfig
     >>> from trl_topr.generation import SamplingSettings, generation_engine, prompt_ids
 
-    >>> args = TOPRConfig("out", use_vllm=False)  # doctest: +SKIP
-    >>> with generation_engine("HuggingFaceTB/SmolLM2-135M-Instruct", tokenizer, args) as engine:  # doctest: +SKIP
+    >>> loop_args = TOPRLoopConfig(use_vllm=True)  # doctest: +SKIP
+    >>> model = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    >>> with generation_engine(model, tokenizer, loop_args) as engine:  # doctest: +SKIP
     ...     out = engine.generate([prompt_ids(tokenizer, "2 + 2 =")], SamplingSettings(num_samples=4, seed=0))
 
     ```
     """
+    options = {
+        "bf16": getattr(train_args, "bf16", None),
+        "model_init_kwargs": getattr(train_args, "model_init_kwargs", None),
+        "trust_remote_code": getattr(train_args, "trust_remote_code", False),
+    }
     if isinstance(model, str):
-        model = load_whole_model(model, getattr(args, "model_init_kwargs", None))
-    return ENGINES[engine_name(args)].from_config(model, processing_class, args)
+        model = load_whole_model(model, options["model_init_kwargs"])
+    return ENGINES[engine_name(args)].from_config(model, processing_class, args, **options)
 
 
 __all__ = [
+    "BEHAVIOR_LOGPS_SOURCES",
     "ENGINES",
     "GenerationEngine",
     "Generations",

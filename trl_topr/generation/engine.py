@@ -88,11 +88,11 @@ class Generations:
 class GenerationEngine:
     """
     A generation engine: completions of tokenized prompts under [`SamplingSettings`], weights taken from a saved
-    folder, resources released by `close`. The engines: [`~trl_topr.generation.TransformersEngine`] (`model.generate`)
-    and [`~trl_topr.generation.VLLMEngine`] (vLLM, colocated or a server); [`generation_engine`] builds the one a
-    [`~trl_topr.TOPRConfig`] asks for, by its name in [`~trl_topr.generation.ENGINES`]. A new engine subclasses this
-    class in a module of its own, implements `from_config`, `_generate_share`, `load_weights` and, if it holds
-    resources, `close`, and is added to `ENGINES`.
+    folder, resources released by `close`. The engines: [`~trl_topr.generation.TransformersEngine`]
+    (`model.generate`) and [`~trl_topr.generation.VLLMEngine`] (vLLM, colocated or a server);
+    [`generation_engine`] builds the one a [`~trl_topr.TOPRLoopConfig`] asks for, by its name in
+    [`~trl_topr.generation.ENGINES`]. A new engine subclasses this class in a module of its own, implements
+    `from_config`, `_generate_share`, `load_weights` and, if it holds resources, `close`, and is added to `ENGINES`.
 
     Under several processes (`accelerate launch`), every process calls `generate` with all the prompts: each generates
     an equal share ([`~trl_topr.distributed.map_across_processes`]) and all get every completion, in prompt order. An
@@ -110,17 +110,33 @@ class GenerationEngine:
         self.eos_ids = set(eos_ids)
 
     @classmethod
-    def from_config(cls, model, processing_class: PreTrainedTokenizerBase, args) -> "GenerationEngine":
+    def from_config(
+        cls,
+        model,
+        processing_class: PreTrainedTokenizerBase,
+        args=None,
+        *,
+        bf16: bool | None = None,
+        model_init_kwargs: dict | None = None,
+        trust_remote_code: bool = False,
+    ) -> "GenerationEngine":
         """
-        The engine for `model`, set up as a configuration asks (what [`generation_engine`] calls).
+        The engine for `model`, set up as its options ask (what [`generation_engine`] calls, unpacking the
+        configurations once).
 
         Args:
             model ([`~transformers.PreTrainedModel`]):
                 The model whose weights the engine generates with.
             processing_class ([`~transformers.PreTrainedTokenizerBase`]):
                 The tokenizer.
-            args ([`~trl_topr.TOPRConfig`], *optional*):
-                The configuration (its generation options and precision); `None` for the engine's defaults.
+            args ([`~trl_topr.generation.arguments.VLLMArguments`], *optional*):
+                The engine's options (e.g. a [`~trl_topr.TOPRLoopConfig`]); `None` for the engine's defaults.
+            bf16 (`bool`, *optional*):
+                Generate in bf16 (the training precision); `None`: the precision the hardware computes fastest.
+            model_init_kwargs (`dict`, *optional*):
+                `from_pretrained` options for loading weights from folders.
+            trust_remote_code (`bool`, *optional*, defaults to `False`):
+                Allow models defined in their own modeling files.
 
         Returns:
             [`GenerationEngine`]: the engine.

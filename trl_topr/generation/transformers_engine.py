@@ -86,15 +86,19 @@ class TransformersEngine(GenerationEngine):
         self.bf16, self.model_init_kwargs = bf16, dict(model_init_kwargs or {})
 
     @classmethod
-    def from_config(cls, model: PreTrainedModel, processing_class: PreTrainedTokenizerBase, args=None):
-        """The engine for `model`, generating in `args.bf16` precision, loading folders with
-        `args.model_init_kwargs` (defaults for `args=None`). See [`GenerationEngine.from_config`]."""
-        return cls(
-            model,
-            processing_class,
-            bf16=getattr(args, "bf16", None),
-            model_init_kwargs=getattr(args, "model_init_kwargs", None),
-        )
+    def from_config(
+        cls,
+        model: PreTrainedModel,
+        processing_class: PreTrainedTokenizerBase,
+        args=None,
+        *,
+        bf16: bool | None = None,
+        model_init_kwargs: dict | None = None,
+        trust_remote_code: bool = False,
+    ):
+        """The engine for `model`, generating in `bf16` precision, loading folders with `model_init_kwargs`; it has
+        no options of its own (`args`). See [`GenerationEngine.from_config`]."""
+        return cls(model, processing_class, bf16=bf16, model_init_kwargs=model_init_kwargs)
 
     def load_weights(self, folder: str, model: PreTrainedModel | None = None, training_engine=None) -> None:
         """Generate with `model` (the weights of `folder` in memory) or, without it, the model loaded from `folder`,

@@ -304,7 +304,16 @@ class VLLMEngine(GenerationEngine):
         self.vllm_generation, self.folder = vllm_generation, folder
 
     @classmethod
-    def from_config(cls, model, processing_class, args) -> "VLLMEngine":
+    def from_config(
+        cls,
+        model,
+        processing_class,
+        args=None,
+        *,
+        bf16: bool | None = None,
+        model_init_kwargs: dict | None = None,
+        trust_remote_code: bool = False,
+    ) -> "VLLMEngine":
         """
         Start the vLLM engine (or connect to the server) that `args` asks for (`vllm_mode` and TRL's other `vllm_*`
         fields), holding `model`'s weights, in the training precision.
@@ -314,8 +323,15 @@ class VLLMEngine(GenerationEngine):
                 The model to start from (loaded from a folder or the Hub: its `name_or_path` is read).
             processing_class ([`~transformers.PreTrainedTokenizerBase`]):
                 The tokenizer.
-            args ([`~trl_topr.TOPRConfig`], *optional*):
-                The configuration; `None` for vLLM colocated with TRL's defaults, in the model's dtype.
+            args ([`~trl_topr.generation.arguments.VLLMArguments`], *optional*):
+                The engine's options (a [`~trl_topr.TOPRLoopConfig`]); `None` for vLLM colocated with TRL's
+                defaults.
+            bf16 (`bool`, *optional*):
+                Generate in bf16; otherwise in the model's dtype.
+            model_init_kwargs (`dict`, *optional*):
+                Unused: vLLM loads folders itself.
+            trust_remote_code (`bool`, *optional*, defaults to `False`):
+                Allow models defined in their own modeling files.
 
         Returns:
             [`VLLMEngine`]
@@ -335,7 +351,7 @@ class VLLMEngine(GenerationEngine):
             processing_class,
             logprobs_mode="raw_logprobs",
             weight_transfer=False,
-            dtype="bfloat16" if getattr(args, "bf16", None) else str(model.dtype).removeprefix("torch."),
+            dtype="bfloat16" if bf16 else str(model.dtype).removeprefix("torch."),
             mode=args.vllm_mode,
             server_base_url=args.vllm_server_base_url,
             server_host=args.vllm_server_host,
@@ -346,7 +362,7 @@ class VLLMEngine(GenerationEngine):
             max_model_length=args.vllm_max_model_length,
             enable_sleep_mode=args.vllm_enable_sleep_mode,
             model_impl=args.vllm_model_impl,
-            trust_remote_code=getattr(args, "trust_remote_code", False),
+            trust_remote_code=trust_remote_code,
             enforce_eager=args.vllm_enforce_eager,
         )
         return cls(vllm_generation, end_of_sequence_ids(model, processing_class), folder=model.name_or_path)

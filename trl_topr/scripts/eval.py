@@ -13,13 +13,13 @@ Both default to the GSM8K functions of `trl_topr.rewards`, which read the gold f
 trl-topr eval \
     --dataset_name openai/gsm8k --dataset_config main --dataset_split "test[:200]" \
     --prompt_column question --conversational \
-    --num_samples 4 --max_new_tokens 512
+    --num_generations 4 --max_completion_length 512
 
 trl-topr eval \
     --model_name_or_path outputs/topr-smollm2-arith \
     --dataset_name openai/gsm8k --dataset_config main --dataset_split "test[:200]" \
     --prompt_column question --conversational \
-    --num_samples 4 --max_new_tokens 512 --output_path eval/topr.json
+    --num_generations 4 --max_completion_length 512 --output_path eval/topr.json
 ```
 
 # Your data and checkers, on 8 GPUs (each generates a share of the prompts)
@@ -39,14 +39,13 @@ Without the launcher: `python -m trl_topr.scripts.eval ...`, or `accelerate laun
 
 from dataclasses import dataclass, field
 
-from trl_topr.generation import VLLMArguments
 from trl_topr.scripts.utils import (
-    GenerationArguments,
+    SAMPLING_SCRIPT_DEFAULTS,
+    PromptArguments,
     import_function,
     load_prompts,
     model_init_kwargs,
     resolve_model,
-    sampling_config,
     show_messages,
 )
 
@@ -54,7 +53,9 @@ from trl_topr.scripts.utils import (
 @dataclass
 class EvalArguments:
     """
-    Arguments of `trl-topr eval` besides [`~trl_topr.scripts.utils.GenerationArguments`].
+    Arguments of `trl-topr eval` besides the prompts ([`~trl_topr.scripts.utils.PromptArguments`]), the sampling
+    ([`~trl_topr.TOPRLoopConfig`]: `num_generations_eval`, or else `num_generations`, samples per prompt; `use_vllm`,
+    ...), the precision and seed ([`~trl_topr.TOPRConfig`]) and the model (TRL's `ModelConfig`).
 
     Args:
         correct_func (`str`, *optional*, defaults to `"trl_topr.rewards.gsm8k_reward"`):
@@ -76,9 +77,7 @@ class EvalArguments:
     output_path: str | None = field(default=None, metadata={"help": "JSON file to write the metrics to."})
 
 
-def main(
-    script_args: EvalArguments, generation_args: GenerationArguments, vllm_args: VLLMArguments | None = None
-) -> dict[str, float]:
+def main(script_args: EvalArguments, prompt_args: PromptArguments, loop_args, training_args, model_args):
     """
     Evaluate the model with [`~trl_topr.evaluate_policy`], print the metrics as JSON and write them to
     `script_args.output_path`.
@@ -86,17 +85,20 @@ def main(
     Args:
         script_args ([`EvalArguments`]):
             Correctness and answer functions, output path.
-        generation_args ([`~trl_topr.scripts.utils.GenerationArguments`]):
-            Model, prompts and sampling settings.
-        vllm_args ([`~trl_topr.generation.arguments.VLLMArguments`], *optional*):
-            Generating with vLLM (TRL's `use_vllm`, `vllm_mode`... options), as `trl-topr sample` does.
+        prompt_args ([`~trl_topr.scripts.utils.PromptArguments`]):
+            The held-out prompts.
+        loop_args ([`~trl_topr.TOPRLoopConfig`]):
+            How to sample (its evaluation settings) and with which engine (`use_vllm`, ...).
+        training_args ([`~trl_topr.TOPRConfig`]):
+            The precision and the sampling's `seed`.
+        model_args ([`~trl.ModelConfig`]):
+            The model.
 
     Returns:
-        `dict[str, float]`: `pass@1_greedy`, `pass@1`, `maj@k` (k = `num_samples`), `invalid_rate` and
-        `invalid_rate_greedy`.
+        `dict[str, float]`: `pass@1_greedy`, `pass@1`, `maj@k`, `invalid_rate`, `invalid_rate_greedy`,
+        `truncated_rate` and `mean_length`.
     """
     import json
-    import tempfile
     from pathlib import Path
 
     from accelerate import PartialState
@@ -108,28 +110,29 @@ def main(
 
     correct_func = import_function(script_args.correct_func)
     answer_func = import_function(script_args.answer_func)
-    prompts = load_prompts(generation_args)
-    model_path = resolve_model(generation_args.model_name_or_path)
-    model = create_model_from_path(model_path, **model_init_kwargs(generation_args, device_per_process=True))
+    prompts = load_prompts(prompt_args, training_args.prompt_column)
+    model_path = resolve_model(model_args.model_name_or_path)
+    training_args.model_init_kwargs = model_init_kwargs(
+        model_args, trust_remote_code=training_args.trust_remote_code, device_per_process=True
+    )
+    model = create_model_from_path(model_path, **training_args.model_init_kwargs)
     state = PartialState()
     if model.device.type == "cpu" and state.device.type != "cpu":
         model = model.to(state.device)
     tokenizer = AutoTokenizer.from_pretrained(
-        model_path, revision=generation_args.model_revision, trust_remote_code=generation_args.trust_remote_code
+        model_path, revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code
     )
-    with tempfile.TemporaryDirectory() as scratch:
-        args = sampling_config(generation_args, vllm_args, scratch)
-        with generation_engine(model, tokenizer, args) as engine:
-            metrics = evaluate_policy(
-                model,
-                tokenizer,
-                prompts,
-                correct_func,
-                answer_func,
-                generation_args.sampling_settings(),
-                engine=engine,
-                progress=state.is_main_process,
-            )
+    with generation_engine(model, tokenizer, loop_args, training_args) as engine:
+        metrics = evaluate_policy(
+            model,
+            tokenizer,
+            prompts,
+            correct_func,
+            answer_func,
+            loop_args.eval_sampling(seed=training_args.seed),
+            engine=engine,
+            progress=state.is_main_process,
+        )
     if state.is_main_process:
         text = json.dumps(metrics, indent=2)
         print(text)
@@ -143,8 +146,8 @@ def main(
 
 def make_parser(prog: str | None = None):
     """
-    TRL's parser for [`EvalArguments`] and [`~trl_topr.scripts.utils.GenerationArguments`], whose prompts split
-    defaults to `"test"` here.
+    TRL's parser for [`EvalArguments`], [`~trl_topr.scripts.utils.PromptArguments`] (whose split defaults to
+    `"test"` here), [`~trl_topr.TOPRLoopConfig`], [`~trl_topr.TOPRConfig`] and TRL's `ModelConfig`.
 
     Args:
         prog (`str`, *optional*):
@@ -153,19 +156,20 @@ def make_parser(prog: str | None = None):
     Returns:
         [`~trl.TrlParser`]: the parser.
     """
-    from trl import TrlParser
+    from trl import ModelConfig, TrlParser
+
+    from trl_topr import TOPRConfig, TOPRLoopConfig
 
     parser = TrlParser(
-        (EvalArguments, GenerationArguments, VLLMArguments),
+        (EvalArguments, PromptArguments, TOPRLoopConfig, TOPRConfig, ModelConfig),
         prog=prog,
         description="Evaluate a policy: pass@1 (greedy and sampled), maj@k and invalid rate, printed as JSON.",
     )
-    parser.set_defaults(dataset_split="test")
+    parser.set_defaults(dataset_split="test", **SAMPLING_SCRIPT_DEFAULTS)
     return parser
 
 
 if __name__ == "__main__":
     show_messages()
     parser = make_parser()
-    script_args, generation_args, vllm_args = parser.parse_args_and_config(fail_with_unknown_args=False)
-    main(script_args, generation_args, vllm_args)
+    main(*parser.parse_args_and_config(fail_with_unknown_args=False))

@@ -9,7 +9,9 @@ The output has one row per completion: `prompt`, `completion`, `reward` (the wei
 
 Reward functions have TRL GRPO's signature, `fn(prompts, completions, **columns) -> list[float | None]`, and are given
 by dotted path, as in TRL's GRPO script (`my_rewards.my_reward` for `./my_rewards.py`); a bare name is a function of
-`trl_topr.rewards`. A weight of 0 keeps a function as a column only, e.g. the `gsm8k_invalid` flag.
+`trl_topr.rewards`. A weight of 0 keeps a function as a column only, e.g. the `gsm8k_invalid` flag. The sampling
+options are [`~trl_topr.TOPRLoopConfig`]'s (TRL GRPO's names), the options of the training the samples are for
+(`max_length`, the precision, `seed`) [`~trl_topr.TOPRConfig`]'s, the model's TRL's `ModelConfig`.
 
 # GSM8K with SmolLM2-135M-Instruct (default model), 16 samples per prompt
 ```bash
@@ -17,7 +19,7 @@ trl-topr sample \
     --dataset_name openai/gsm8k --dataset_config main --dataset_split "train[:256]" \
     --prompt_column question --conversational \
     --reward_funcs trl_topr.rewards.gsm8k_reward trl_topr.rewards.gsm8k_invalid --reward_weights 1 0 \
-    --num_samples 16 --temperature 1.0 --top_k 500 --max_new_tokens 512 \
+    --num_generations 16 --temperature 1.0 --top_k 500 --max_completion_length 512 \
     --output_path samples/gsm8k.jsonl
 ```
 
@@ -42,13 +44,13 @@ An `--output_path` ending in `.jsonl`, `.json` or `.parquet` writes that file; a
 
 from dataclasses import dataclass, field
 
-from trl_topr.generation import VLLMArguments
 from trl_topr.scripts.utils import (
-    GenerationArguments,
+    SAMPLING_SCRIPT_DEFAULTS,
+    PromptArguments,
     import_function,
     load_prompts,
+    model_init_kwargs,
     resolve_model,
-    sampling_config,
     save_dataset,
     show_messages,
 )
@@ -57,7 +59,9 @@ from trl_topr.scripts.utils import (
 @dataclass
 class SampleArguments:
     """
-    Arguments of `trl-topr sample` besides [`~trl_topr.scripts.utils.GenerationArguments`].
+    Arguments of `trl-topr sample` besides the prompts ([`~trl_topr.scripts.utils.PromptArguments`]), the sampling
+    ([`~trl_topr.TOPRLoopConfig`]: `num_generations`, `reward_weights`, `use_vllm`, ...), the training the samples
+    are for ([`~trl_topr.TOPRConfig`]: `max_length`, the precision, `seed`) and the model (TRL's `ModelConfig`).
 
     Args:
         reward_funcs (`list[str]`):
@@ -65,11 +69,6 @@ class SampleArguments:
             `trl_topr.rewards` functions. Each gets a column named after it.
         output_path (`str`):
             Where to write the samples: a `.jsonl`, `.json` or `.parquet` file, or else a `save_to_disk` folder.
-        reward_weights (`list[float]`, *optional*):
-            Weight of each reward function in the `reward` column; defaults to 1 each.
-        max_length (`int` or `None`, *optional*, defaults to `1024`):
-            `max_length` of the training the samples are for: prompt + completion tokens beyond it are truncated
-            when computing the behavior log-probs, as in training. `None` for no truncation.
     """
 
     reward_funcs: list[str] = field(
@@ -78,55 +77,60 @@ class SampleArguments:
     output_path: str = field(
         metadata={"help": "Output: a .jsonl, .json or .parquet file, or else a `save_to_disk` folder."}
     )
-    reward_weights: list[float] | None = field(
-        default=None, metadata={"help": "Weight of each reward function in `reward` (default 1 each)."}
-    )
-    max_length: int | None = field(
-        default=1024,
-        metadata={"help": "Training `max_length`: longer rows are truncated for the behavior log-probs, as there."},
-    )
 
 
-def main(script_args: SampleArguments, generation_args: GenerationArguments, vllm_args: VLLMArguments | None = None):
+def main(script_args: SampleArguments, prompt_args: PromptArguments, loop_args, training_args, model_args):
     """
     Sample, score and save a TOPR dataset with [`~trl_topr.sample_completions`].
 
     Args:
         script_args ([`SampleArguments`]):
-            Reward functions, output path, and `max_length`.
-        generation_args ([`~trl_topr.scripts.utils.GenerationArguments`]):
-            Model, prompts and sampling settings.
-        vllm_args ([`~trl_topr.generation.arguments.VLLMArguments`], *optional*):
-            Sampling with vLLM (TRL's `use_vllm`, `vllm_mode`... options) and the behavior log-probs' source.
+            Reward functions and output path.
+        prompt_args ([`~trl_topr.scripts.utils.PromptArguments`]):
+            The prompts.
+        loop_args ([`~trl_topr.TOPRLoopConfig`]):
+            How to sample: completions per prompt, temperature, ..., the reward weights, the engine (`use_vllm`) and
+            the behavior log-probs' source.
+        training_args ([`~trl_topr.TOPRConfig`]):
+            The training the samples are for: its `max_length`, precision and `padding_free` set how the behavior
+            log-probs are computed, its `seed` the sampling's.
+        model_args ([`~trl.ModelConfig`]):
+            The model.
 
     Returns:
         [`~datasets.Dataset`]: the samples, as written to `script_args.output_path`.
     """
-    import tempfile
-
     from accelerate import PartialState
     from transformers import AutoTokenizer
+    from trl.trainer.utils import create_model_from_path
 
     from trl_topr import sample_completions
+    from trl_topr.generation import generation_engine
 
     reward_funcs = [import_function(path) for path in script_args.reward_funcs]
-    prompts = load_prompts(generation_args)
-    model = resolve_model(generation_args.model_name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(
-        model, revision=generation_args.model_revision, trust_remote_code=generation_args.trust_remote_code
+    prompts = load_prompts(prompt_args, training_args.prompt_column)
+    model_path = resolve_model(model_args.model_name_or_path)
+    training_args.model_init_kwargs = model_init_kwargs(
+        model_args, trust_remote_code=training_args.trust_remote_code, device_per_process=True
     )
-    with tempfile.TemporaryDirectory() as scratch:
-        args = sampling_config(generation_args, vllm_args, scratch, max_length=script_args.max_length)
+    model = create_model_from_path(model_path, **training_args.model_init_kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_path, revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code
+    )
+    state = PartialState()
+    with generation_engine(model, tokenizer, loop_args, training_args) as engine:
         samples = sample_completions(
             model,
             prompts,
             reward_funcs,
             processing_class=tokenizer,
-            reward_weights=script_args.reward_weights,
-            sampling=generation_args.sampling_settings(),
-            args=args,
+            reward_weights=loop_args.reward_weights,
+            sampling=loop_args.sampling(seed=training_args.seed),
+            args=training_args,
+            engine=engine,
+            behavior_logps_source=loop_args.behavior_logps_source,
+            progress=state.is_main_process,
         )
-    state = PartialState()
     if state.is_main_process:
         save_dataset(samples, script_args.output_path)
         rewards = samples["reward"]
@@ -140,7 +144,8 @@ def main(script_args: SampleArguments, generation_args: GenerationArguments, vll
 
 def make_parser(prog: str | None = None):
     """
-    TRL's parser for [`SampleArguments`] and [`~trl_topr.scripts.utils.GenerationArguments`].
+    TRL's parser for [`SampleArguments`], [`~trl_topr.scripts.utils.PromptArguments`], [`~trl_topr.TOPRLoopConfig`],
+    [`~trl_topr.TOPRConfig`] and TRL's `ModelConfig`.
 
     Args:
         prog (`str`, *optional*):
@@ -149,17 +154,20 @@ def make_parser(prog: str | None = None):
     Returns:
         [`~trl.TrlParser`]: the parser.
     """
-    from trl import TrlParser
+    from trl import ModelConfig, TrlParser
 
-    return TrlParser(
-        (SampleArguments, GenerationArguments, VLLMArguments),
+    from trl_topr import TOPRConfig, TOPRLoopConfig
+
+    parser = TrlParser(
+        (SampleArguments, PromptArguments, TOPRLoopConfig, TOPRConfig, ModelConfig),
         prog=prog,
         description="Sample a TOPR dataset: completions, rewards and behavior log-probs.",
     )
+    parser.set_defaults(**SAMPLING_SCRIPT_DEFAULTS)
+    return parser
 
 
 if __name__ == "__main__":
     show_messages()
     parser = make_parser()
-    script_args, generation_args, vllm_args = parser.parse_args_and_config(fail_with_unknown_args=False)
-    main(script_args, generation_args, vllm_args)
+    main(*parser.parse_args_and_config(fail_with_unknown_args=False))

