@@ -16,25 +16,6 @@ from trl_topr.scripts.utils import show_messages
 from trl_topr.tasks import INSTRUCTION, arithmetic_problems, few_shot_prompts, solution_text  # noqa: F401
 
 
-def with_tool_template(tokenizer):
-    """
-    `tokenizer`, able to show tools: as it is when its chat template renders a tool-calling conversation; a ChatML
-    tokenizer whose template does not (SmolLM2's) gets TRL's copy of Qwen2.5's ChatML template, which renders the same
-    system, user and assistant turns and adds the tools, their calls and their results. Any other is refused.
-    """
-    from trl.chat_template_utils import qwen2_5_chat_template, supports_tool_calling
-
-    if supports_tool_calling(tokenizer):
-        return tokenizer
-    if "<|im_start|>" not in tokenizer.get_vocab():
-        raise ValueError(
-            "--tools: the tokenizer's chat template renders no tools, and it is not a ChatML tokenizer the recipe "
-            "can give a tool template to. Set a chat template that supports tools."
-        )
-    tokenizer.chat_template = qwen2_5_chat_template
-    return tokenizer
-
-
 def load_problems(script_args, seed: int) -> tuple[list[dict], list[dict]]:
     """Training and test questions (dicts with `question` and `answer`) of the task that `script_args` chooses
     (`task`, `dataset_path`)."""

@@ -53,7 +53,6 @@ from common import (
     refuse_publishing_nothing,
     show_progress,
     solution_text,
-    with_tool_template,
 )
 from transformers import AutoTokenizer
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
@@ -61,6 +60,7 @@ from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 from trl_topr import TOPRConfig, TOPRLoopConfig, extract_final_answer, gsm8k_invalid, gsm8k_reward, run_topr_loop
 from trl_topr.embedded import smollm2_path
 from trl_topr.precision import device_type
+from trl_topr.rollout import with_tool_template
 from trl_topr.scripts.utils import set_model_init_kwargs
 from trl_topr.tasks import calculator
 from trl_topr.trainer import base_model_name

@@ -67,7 +67,7 @@ from trl_topr.embedded import smollm2_path
 from trl_topr.generation import GenerationEngine, SamplingSettings, generation_engine, prompt_ids
 from trl_topr.precision import device_type
 from trl_topr.rewards import answers_match, gold_answer
-from trl_topr.sampling import decode_completions
+from trl_topr.rollout import decode_completions
 from trl_topr.scripts.utils import set_model_init_kwargs
 from trl_topr.trainer import base_model_name
 

@@ -165,7 +165,15 @@ def test_bad_tool_setups_are_refused_before_sampling(tool_policy, tiny_model_pat
         sample_completions(chatml_model, prompts(), says_56, processing_class=chatml_tokenizer, tools=[multiply])
 
 
-def test_the_loop_samples_with_tools_replays_and_resumes(tool_policy, tmp_path):
+def test_the_loop_samples_with_tools_replays_and_resumes(tool_policy, tmp_path, monkeypatch):
+    import trl_topr.rollout
+
+    checks = []  # the template's check renders a conversation: the loop prepares its tools once, not every round
+    monkeypatch.setattr(
+        trl_topr.rollout,
+        "supports_tool_calling",
+        lambda tokenizer, check=trl_topr.rollout.supports_tool_calling: checks.append(1) or check(tokenizer),
+    )
     args = make_args(tmp_path / "loop", max_steps=1, per_device_train_batch_size=2, learning_rate=1e-5)
     common = dict(
         eval_prompts=prompts(1),
@@ -178,6 +186,7 @@ def test_the_loop_samples_with_tools_replays_and_resumes(tool_policy, tmp_path):
     loop_args.num_rounds = 2
     rounds = run_topr_loop(tool_policy, prompts(2), says_56, loop_args, args, **common)  # resumes after round 1
     assert [r["round"] for r in rounds] == [0, 1, 2] and rounds == read_rounds(str(tmp_path / "loop"))
+    assert len(checks) == 2  # once per call of the loop (each loads its own tokenizer), for 3 rounds and 4 evaluations
     assert rounds[2]["tools/call_frequency"] > 0 and rounds[2]["tools/failure_frequency"] == 0
     assert rounds[2]["tool_call_rate_greedy"] == 1.0
     assert rounds[2]["num_train_rows"] == 8  # its 4 samples and round 1's, replayed

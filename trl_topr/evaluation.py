@@ -8,8 +8,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .data import PROMPT, completion_text
 from .generation import GenerationEngine, SamplingSettings, TransformersEngine, prompt_ids
-from .sampling import decode_completions, score_completions
-from .tool_calling import generate_trajectories, prepare_tool_calling
+from .rollout import prepare_tool_calling, rollout
+from .sampling import score_completions
 
 
 def evaluate_policy(
@@ -57,7 +57,7 @@ def evaluate_policy(
             [`~trl_topr.precision.bf16_is_faster`]).
         tools (`list[Callable]`, *optional*):
             Tools the policy may call, as in [`~trl_topr.sample_completions`]: each answer is then the last turn of
-            a trajectory ([`~trl_topr.tool_calling.generate_trajectories`]).
+            a trajectory ([`~trl_topr.rollout.rollout`]).
         max_tool_calling_iterations (`int`, *optional*):
             The most rounds of tool calls of a trajectory; `None` for no limit but the length.
         return_per_prompt (`bool`, *optional*, defaults to `False`):
@@ -92,26 +92,18 @@ def evaluate_policy(
         _, per_func = score_completions(prompt_list, completions, {"correct": correct_func}, **repeated)
         return [value > 0 for value in per_func["correct"]]
 
+    greedy_run, sampled_run = (
+        rollout(engine, processing_class, prompts, ids, s, tools, max_tool_calling_iterations, progress)
+        for s in (settings.greedy(), settings)
+    )
+    greedy, sampled, sampled_ids = greedy_run.completions, sampled_run.completions, sampled_run.completion_ids
     tool_metrics = {}
     if tools:
-        runs = [
-            generate_trajectories(
-                engine, processing_class, prompts, ids, s, tools, max_tool_calling_iterations, progress
-            )
-            for s in (settings.greedy(), settings)
-        ]
-        (greedy, sampled), sampled_ids = [run.completions for run in runs], runs[1].completion_ids
         tool_metrics = {
-            "tool_call_rate": _mean(runs[1].tool_calls),
-            "tool_call_rate_greedy": _mean(runs[0].tool_calls),
-            "tool_failure_rate": _mean(runs[1].tool_failures),
+            "tool_call_rate": _mean(sampled_run.tool_calls),
+            "tool_call_rate_greedy": _mean(greedy_run.tool_calls),
+            "tool_failure_rate": _mean(sampled_run.tool_failures),
         }
-    else:
-        greedy = decode_completions(
-            processing_class, prompts, engine.generate(ids, settings.greedy(), progress).completion_ids
-        )
-        sampled_ids = engine.generate(ids, settings, progress).completion_ids
-        sampled = decode_completions(processing_class, prompts, sampled_ids)
     greedy_correct, sampled_correct = correctness(greedy, 1), correctness(sampled, k)
     sampled_answers = [answer_func(completion_text(c)) for c in sampled]
 

@@ -37,6 +37,7 @@ from .replay import (
     replayed_rounds,
     with_replayed_rows,
 )
+from .rollout import prepare_tool_calling
 from .sampling import (
     TOOL_CALL_COUNT,
     TOOL_FAILURE_COUNT,
@@ -46,7 +47,6 @@ from .sampling import (
     reward_functions,
     sample_completions,
 )
-from .tool_calling import prepare_tool_calling
 from .trainer import TOPRTrainer
 
 

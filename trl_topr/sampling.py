@@ -38,10 +38,9 @@ from .generation import (
     TransformersEngine,
     generation_engine,
     prompt_ids,
-    text_tokenizer,
 )
 from .logprobs import behavior_logps, completion_row, logps_settings
-from .tool_calling import generate_trajectories, prepare_tool_calling
+from .rollout import prepare_tool_calling, rollout
 from .trajectories import storable
 
 
@@ -194,33 +193,6 @@ def score_completions(
     return rewards, per_func
 
 
-def decode_completions(
-    processing_class: PreTrainedTokenizerBase, prompts: list, completion_ids: list[list[int]]
-) -> list:
-    """
-    The completions' text, as messages for conversational prompts.
-
-    Args:
-        processing_class ([`~transformers.PreTrainedTokenizerBase`]):
-            The tokenizer.
-        prompts (`list`):
-            The prompts, text or messages.
-        completion_ids (`list[list[int]]`):
-            Their completions, prompt-major, the same number per prompt.
-
-    Returns:
-        `list`: text, or `[{"role": "assistant", "content": text}]` for a conversational prompt.
-    """
-    tokenizer = text_tokenizer(processing_class)
-    per_prompt = len(completion_ids) // max(len(prompts), 1)
-    completions = []
-    for index, ids in enumerate(completion_ids):
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        prompt = prompts[index // per_prompt]
-        completions.append([{"role": "assistant", "content": text}] if isinstance(prompt, list) else text)
-    return completions
-
-
 def generate_completions(
     model: PreTrainedModel | None,
     processing_class: PreTrainedTokenizerBase,
@@ -266,8 +238,9 @@ def generate_completions(
     """
     engine = engine or TransformersEngine(model, processing_class, bf16=bf16)
     prompts = list(prompts)
-    out = engine.generate([prompt_ids(processing_class, p) for p in prompts], sampling or SamplingSettings(), progress)
-    return decode_completions(processing_class, prompts, out.completion_ids), out.completion_ids, out.tokens_per_s
+    ids = [prompt_ids(processing_class, p) for p in prompts]
+    out = rollout(engine, processing_class, prompts, ids, sampling or SamplingSettings(), progress=progress)
+    return out.completions, out.completion_ids, out.tokens_per_s
 
 
 def checked_prompt_ids(
@@ -360,7 +333,7 @@ def sample_completions(
         tools (`list[Callable]`, *optional*):
             Tools the policy may call, as TRL's GRPO trainer takes them (functions with type hints and a docstring
             describing their arguments; conversational prompts, and a chat template that supports tools). Each
-            completion is then a trajectory ([`~trl_topr.tool_calling.generate_trajectories`]): the policy's turns
+            completion is then a trajectory ([`~trl_topr.rollout.rollout`]): the policy's turns
             and the tools' results, within `sampling.max_new_tokens` tokens in all. Its `tool_mask` marks the tokens
             the policy generated, which alone are trained and make up its behavior log-probs; reward functions see
             the whole trajectory.
@@ -413,15 +386,12 @@ def sample_completions(
     max_length = args.max_length if args is not None else DEFAULT_MAX_LENGTH
     all_prompt_ids = checked_prompt_ids(processing_class, prompts, max_length, tools=tools)
     engine = engine or generation_engine(model, processing_class, train_args=args)
-    if tools:
-        out = generate_trajectories(
-            engine, processing_class, prompts, all_prompt_ids, sampling, tools, max_tool_calling_iterations, progress
-        )
-    else:
-        out = engine.generate(all_prompt_ids, sampling, progress=progress)
+    out = rollout(
+        engine, processing_class, prompts, all_prompt_ids, sampling, tools, max_tool_calling_iterations, progress
+    )
     logger.info(f"Sampled {len(out.completion_ids)} completions at {out.tokens_per_s:.1f} tokens/s.")
     rows = [i for i in range(len(dataset)) for _ in range(sampling.num_samples)]
-    completions = out.completions if tools else decode_completions(processing_class, prompts, out.completion_ids)
+    completions = out.completions
     samples = _scored_samples(
         dataset.select(rows),
         completions,
@@ -431,9 +401,8 @@ def sample_completions(
         reward_weights,
         stored=[storable(c) for c in completions] if tools else None,  # tool call arguments as JSON text
     )
-    masks = [None] * len(samples)
+    masks = out.tool_mask or [None] * len(samples)
     if tools:
-        masks = out.tool_mask
         samples = samples.add_column(TOOL_MASK, out.tool_mask)
         samples = samples.add_column(TOOL_CALL_COUNT, out.tool_calls).add_column(TOOL_FAILURE_COUNT, out.tool_failures)
     if out.logprobs is not None:

@@ -1,11 +1,14 @@
-"""Sampling with tools in the loop, as TRL's GRPO trainer samples (`tools`, `max_tool_calling_iterations`): the
-policy generates a turn; the tool calls TRL's `parse_response` finds in it are run, their results appended, and the
-policy goes on, until it answers without a call or reaches the limit. Each trajectory is recorded as a sampler
-records it: the token ids generated and appended, and TRL's `tool_mask` (1 on the tokens the policy generated, 0 on
-the rest)."""
+"""Rollouts: what a policy writes for prompts, through one generation engine, as a sampler records it. A single-turn
+completion is a one-turn trajectory; with tools, as TRL's GRPO trainer samples (`tools`,
+`max_tool_calling_iterations`), the policy generates a turn, the tool calls TRL's `parse_response` finds in it are run,
+their results appended, and the policy goes on, until it answers without a call or reaches the limit. Each trajectory
+is recorded with the token ids generated and appended and, with tools, TRL's `tool_mask` (1 on the tokens the policy
+generated, 0 on the rest). Sampling ([`~trl_topr.sample_completions`]) and evaluation
+([`~trl_topr.evaluate_policy`]) both call [`rollout`]."""
 
 import dataclasses
 import time
+import weakref
 from collections.abc import Callable
 
 from accelerate import PartialState
@@ -20,30 +23,31 @@ from .trajectories import TrajectoryError, tool_suffix_ids
 @dataclasses.dataclass
 class Trajectories:
     """
-    What [`generate_trajectories`] returns, one entry per trajectory, prompt-major (the samples of prompt 0 first).
+    What [`rollout`] returns, one entry per trajectory, prompt-major (the samples of prompt 0 first).
 
     Args:
-        completions (`list[list[dict]]`):
-            Each trajectory's messages: the assistant turns (TRL's parsed `content` / `tool_calls`) and the tool
-            results.
+        completions (`list`):
+            Each trajectory: its text, or its messages for a conversational prompt (one assistant turn without tools;
+            with tools, the assistant turns, TRL's parsed `content` / `tool_calls`, and the tool results).
         completion_ids (`list[list[int]]`):
-            The token ids after the prompt: the generated turns and the template's text with the tool results between
-            them.
-        tool_mask (`list[list[int]]`):
-            One 0 / 1 per completion id: 1 on the tokens the policy generated.
+            The token ids after the prompt: the generated turns and, with tools, the template's text with the tool
+            results between them.
+        tool_mask (`list[list[int]]`, *optional*):
+            With tools, one 0 / 1 per completion id: 1 on the tokens the policy generated. `None` without tools:
+            every token is the policy's.
         logprobs (`list[list[float]]`, *optional*):
             The engine's log-prob of each generated token (mask 1 only), `None` where the engine has none.
         tool_calls (`list[int]`):
-            The tool calls each trajectory made.
+            The tool calls each trajectory made (0 each without tools).
         tool_failures (`list[int]`):
             Those that failed (an unknown tool, or one that raised).
         tokens_per_s (`float`):
             Generated tokens per second of wall time.
     """
 
-    completions: list[list[dict]]
+    completions: list
     completion_ids: list[list[int]]
-    tool_mask: list[list[int]]
+    tool_mask: list[list[int]] | None
     logprobs: list[list[float]] | None
     tool_calls: list[int]
     tool_failures: list[int]
@@ -65,8 +69,8 @@ def prepare_tool_calling(processing_class: PreTrainedTokenizerBase, tools: list[
             The prompts the policy will answer with the tools: lists of messages.
 
     Raises:
-        `ValueError`: when the prompts are text, when the template cannot render a tool-calling conversation, when
-        TRL knows no parser for it, or when a tool is not a function or two share a name.
+        `ValueError`: for text prompts, a template that cannot render a tool-calling conversation or that TRL knows
+            no parser for, a tool that is not a function, or two tools of one name.
     """
     if not all(isinstance(prompt, list) for prompt in prompts):
         raise ValueError(
@@ -79,6 +83,8 @@ def prepare_tool_calling(processing_class: PreTrainedTokenizerBase, tools: list[
     names = [tool.__name__ for tool in tools]
     if len(set(names)) < len(names):
         raise ValueError(f"`tools` must have distinct names (the policy calls them by name), got {names}.")
+    if tuple(names) in _PREPARED.get(processing_class, set()):
+        return  # this tokenizer is ready for these tools: the loop prepares them once, its rounds reuse that
     if not supports_tool_calling(processing_class):
         raise ValueError(
             "The chat template cannot render a tool-calling conversation (user -> assistant with tool_calls -> "
@@ -88,6 +94,40 @@ def prepare_tool_calling(processing_class: PreTrainedTokenizerBase, tools: list[
     tokenizer = text_tokenizer(processing_class)
     if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
         add_response_schema(processing_class)
+    _PREPARED.setdefault(processing_class, set()).add(tuple(names))
+
+
+# The tokenizers checked and given a response parser for a set of tools (by their names), as long as they live
+_PREPARED: "weakref.WeakKeyDictionary[PreTrainedTokenizerBase, set[tuple[str, ...]]]" = weakref.WeakKeyDictionary()
+
+
+def with_tool_template(processing_class: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """
+    `processing_class`, able to show tools: as it is when its chat template renders a tool-calling conversation; a
+    ChatML tokenizer whose template does not (SmolLM2's, for one) gets TRL's copy of Qwen2.5's ChatML template, which
+    renders the same system, user and assistant turns and adds the tools, their calls and their results.
+
+    Args:
+        processing_class ([`~transformers.PreTrainedTokenizerBase`]):
+            The tokenizer; its `chat_template` is replaced in place where it is given one.
+
+    Returns:
+        [`~transformers.PreTrainedTokenizerBase`]: the same tokenizer.
+
+    Raises:
+        `ValueError`: for a template that renders no tools on a tokenizer that is not ChatML.
+    """
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    if supports_tool_calling(processing_class):
+        return processing_class
+    if "<|im_start|>" not in text_tokenizer(processing_class).get_vocab():
+        raise ValueError(
+            "The tokenizer's chat template renders no tools, and it is not a ChatML tokenizer that can be given a "
+            "tool template. Set a chat template that supports tools (`tokenizer.chat_template`)."
+        )
+    text_tokenizer(processing_class).chat_template = qwen2_5_chat_template
+    return processing_class
 
 
 def call_tools(tool_calls: list[dict], tools: dict[str, Callable]) -> tuple[list[dict], int]:
@@ -122,39 +162,40 @@ def call_tools(tool_calls: list[dict], tools: dict[str, Callable]) -> tuple[list
     return messages, failures
 
 
-def generate_trajectories(
+def rollout(
     engine: GenerationEngine,
     processing_class: PreTrainedTokenizerBase,
-    prompts: list[list[dict]],
+    prompts: list,
     prompt_ids: list[list[int]],
     sampling: SamplingSettings,
-    tools: list[Callable],
+    tools: list[Callable] | None = None,
     max_tool_calling_iterations: int | None = None,
     progress: bool = True,
 ) -> Trajectories:
     """
-    Sample `sampling.num_samples` trajectories per prompt with tools in the loop.
+    Sample `sampling.num_samples` trajectories per prompt: one turn each, or several with tools in the loop.
 
-    Every trajectory's first turn is generated from its prompt; then, while some turns call tools and fewer than
-    `max_tool_calling_iterations` rounds of calls were made, the calls are run (once, on the main process, their
-    results shared with every process), the template's text around their results is appended
-    ([`~trl_topr.trajectories.tool_suffix_ids`]) and the policy generates its next turn from the whole sequence, one
-    sample each. The whole completion (generated turns and tool results) stays within `sampling.max_new_tokens`: a
-    tool result that would not leave room for a token ends its trajectory before it, and a turn is cut at the limit.
+    Every trajectory's first turn is generated from its prompt. Without tools that is the whole completion. With
+    tools, while some turns call tools and fewer than `max_tool_calling_iterations` rounds of calls were made, the
+    calls are run (once, on the main process, their results shared with every process), the template's text around
+    their results is appended ([`~trl_topr.trajectories.tool_suffix_ids`]) and the policy generates its next turn from
+    the whole sequence, one sample each. The whole completion (generated turns and tool results) stays within
+    `sampling.max_new_tokens`: a tool result that would not leave room for a token ends its trajectory before it, and
+    a turn is cut at the limit.
 
     Args:
         engine ([`~trl_topr.generation.GenerationEngine`]):
             The engine (transformers or vLLM).
         processing_class ([`~transformers.PreTrainedTokenizerBase`]):
-            The tokenizer, with a template that supports tools (see [`prepare_tool_calling`]).
-        prompts (`list[list[dict]]`):
-            The conversational prompts.
+            The tokenizer; with tools, one whose template supports them (see [`prepare_tool_calling`]).
+        prompts (`list`):
+            The prompts, text or messages (conversational with tools).
         prompt_ids (`list[list[int]]`):
-            Their token ids, rendered with the tools.
+            Their token ids (rendered with the tools).
         sampling ([`~trl_topr.generation.SamplingSettings`]):
             How to sample; later turns are sampled one per trajectory, with the same temperature, top-p and top-k.
-        tools (`list[Callable]`):
-            The tools.
+        tools (`list[Callable]`, *optional*):
+            The tools the policy may call; `None` (or none) for single-turn completions.
         max_tool_calling_iterations (`int`, *optional*):
             The most rounds of tool calls; `None` for no limit but the length.
         progress (`bool`, *optional*, defaults to `True`):
@@ -163,13 +204,60 @@ def generate_trajectories(
     Returns:
         [`Trajectories`]: the trajectories.
     """
+    first = engine.generate(prompt_ids, sampling, progress)
+    if not tools:
+        count = len(first.completion_ids)
+        return Trajectories(
+            completions=decode_completions(processing_class, prompts, first.completion_ids),
+            completion_ids=first.completion_ids,
+            tool_mask=None,
+            logprobs=first.logprobs,
+            tool_calls=[0] * count,
+            tool_failures=[0] * count,
+            tokens_per_s=first.tokens_per_s,
+        )
+    return _tool_loop(
+        engine, processing_class, prompts, prompt_ids, sampling, tools, max_tool_calling_iterations, first
+    )
+
+
+def decode_completions(
+    processing_class: PreTrainedTokenizerBase, prompts: list, completion_ids: list[list[int]]
+) -> list:
+    """
+    The completions' text, as messages for conversational prompts.
+
+    Args:
+        processing_class ([`~transformers.PreTrainedTokenizerBase`]):
+            The tokenizer.
+        prompts (`list`):
+            The prompts, text or messages.
+        completion_ids (`list[list[int]]`):
+            Their completions, prompt-major, the same number per prompt.
+
+    Returns:
+        `list`: text, or `[{"role": "assistant", "content": text}]` for a conversational prompt.
+    """
+    tokenizer = text_tokenizer(processing_class)
+    per_prompt = len(completion_ids) // max(len(prompts), 1)
+    completions = []
+    for index, ids in enumerate(completion_ids):
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        prompt = prompts[index // per_prompt]
+        completions.append([{"role": "assistant", "content": text}] if isinstance(prompt, list) else text)
+    return completions
+
+
+def _tool_loop(
+    engine, processing_class, prompts, prompt_ids, sampling, tools, max_tool_calling_iterations, first: Generations
+) -> Trajectories:
+    # The turns after the first, with tools in the loop (see `rollout`)
     tokenizer = text_tokenizer(processing_class)
     by_name = {tool.__name__: tool for tool in tools}
     limit = sampling.max_new_tokens
     start, generated = time.perf_counter(), 0
-
-    first = engine.generate(prompt_ids, sampling, progress)
     count = len(first.completion_ids)
+    first_seconds = sum(map(len, first.completion_ids)) / max(first.tokens_per_s, 1e-9)
     owner = [index * len(prompts) // count for index in range(count)]  # prompt-major
     ids = [list(c) for c in first.completion_ids]
     mask = [[1] * len(c) for c in ids]
@@ -229,7 +317,7 @@ def generate_trajectories(
         logprobs=logprobs,
         tool_calls=calls,
         tool_failures=failures,
-        tokens_per_s=generated / max(time.perf_counter() - start, 1e-9),
+        tokens_per_s=generated / max(first_seconds + time.perf_counter() - start, 1e-9),
     )
 
 
