@@ -13,7 +13,7 @@ from huggingface_hub import HfApi
 
 from trl_topr import TOPRConfig, TOPRLoopConfig
 from trl_topr.scripts.utils import show_messages
-from trl_topr.tasks import INSTRUCTION, arithmetic_problems, few_shot_prompts, solution_text  # noqa: F401
+from trl_topr.tasks import arithmetic_problems, few_shot_prompts, solution_text  # noqa: F401
 
 
 def load_problems(script_args, seed: int) -> tuple[list[dict], list[dict]]:

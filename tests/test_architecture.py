@@ -2,6 +2,7 @@
 that a change that breaks a rule fails here, naming the module and the import."""
 
 import ast
+import re
 import subprocess
 from pathlib import Path
 
@@ -113,3 +114,79 @@ def test_the_formatter_formats():
         if len(line) > 119
     ]
     assert not long, long
+
+
+# ------------------------------------------------------------------------------------------- the whole layer table
+def layer_table(doc: str) -> dict[str, int]:
+    """docs/architecture.md's layer table, bottom up: each module or folder it names (`loss.py`, `generation/`) and
+    its layer's row, the first row lowest."""
+    section = doc.split("## The layers, bottom up", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| layer")]
+    layers = {}
+    for index, row in enumerate(rows):
+        for name in re.findall(r"`([\w/]+(?:\.py|/))`", row.split("|")[2]):
+            layers[name] = index
+    return layers
+
+
+def layer_of(path: Path, layers: dict[str, int]) -> int | None:
+    relative = path.relative_to(ROOT / "trl_topr")
+    return layers.get(str(relative)) if len(relative.parts) == 1 else layers.get(f"{relative.parts[0]}/")
+
+
+def climbing_imports(layers: dict[str, int], root: Path = PACKAGE) -> list[str]:
+    """Every import of a package module that reaches a module of a higher layer than its own."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        own = layer_of(path, layers)
+        for name, names, line in imports(path):
+            if not name.startswith("trl_topr"):
+                continue
+            parts = name.split(".")[1:]
+            # `from trl_topr import x` and `from .generation import y` name a package: their target is a module if
+            # a name is one, else the package's `__init__.py`
+            candidates = [ROOT / "trl_topr" / Path(*parts, n + ".py") for n in names] + [
+                ROOT / "trl_topr" / Path(*parts).with_suffix(".py") if parts else ROOT / "trl_topr" / "__init__.py",
+                ROOT / "trl_topr" / Path(*parts, "__init__.py"),
+            ]
+            for target in (c for c in candidates if c.exists()):
+                theirs = layer_of(target, layers)
+                if theirs is not None and own is not None and theirs > own:
+                    found.append(f"{path.relative_to(ROOT)}:{line} imports {name} (layer {theirs} > {own})")
+                break
+    return found
+
+
+def test_every_module_has_a_layer_and_no_import_climbs():
+    layers = layer_table((ROOT / "docs" / "architecture.md").read_text())
+    unplaced = [str(p.relative_to(ROOT)) for p in package_files() if layer_of(p, layers) is None]
+    assert not unplaced, f"modules with no row in docs/architecture.md's layer table: {unplaced}"
+    assert climbing_imports(layers) == []
+
+
+def test_an_import_that_climbs_the_table_is_caught(tmp_path, monkeypatch):
+    # a copy of the package whose data contract imports the trainer: caught, naming the line and the layers
+    copy = tmp_path / "trl_topr"
+    import shutil
+
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    layers = layer_table((PACKAGE.parent / "docs" / "architecture.md").read_text())
+    assert climbing_imports(layers, copy) == []
+    (copy / "trajectories.py").write_text(
+        (copy / "trajectories.py").read_text() + "\nfrom .trainer import TOPRTrainer\n"
+    )
+    (found,) = climbing_imports(layers, copy)
+    assert found.startswith("trl_topr/trajectories.py:") and "imports trl_topr.trainer" in found
+
+
+def test_recipes_import_only_the_public_api():
+    # `trl_topr` itself, or names of its modules that docs/api.md documents (`::: trl_topr.module.name`)
+    api, missing = (ROOT / "docs" / "api.md").read_text(), []
+    for path in sorted((ROOT / "recipes").glob("*.py")):
+        for name, names, line in imports(path):
+            if name.startswith("trl_topr.") and name != "trl_topr":
+                undocumented = [n for n in names if f"::: {name}.{n}\n" not in api + "\n"]
+                if undocumented:
+                    missing.append(f"{path.relative_to(ROOT)}:{line} imports {undocumented} from {name}")
+    assert not missing, missing

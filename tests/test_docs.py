@@ -18,6 +18,7 @@ import trl_topr.precision
 import trl_topr.rewards
 import trl_topr.sampling
 import trl_topr.trainer
+import trl_topr.trajectories
 import trl_topr.verifier
 
 
@@ -39,6 +40,7 @@ import trl_topr.verifier
         trl_topr.distributed,
         trl_topr.loop,
         trl_topr.loop_config,
+        trl_topr.trajectories,
     ],
 )
 def test_docstring_examples(module):

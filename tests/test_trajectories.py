@@ -330,3 +330,80 @@ def test_a_completion_may_go_on_from_tool_results_that_end_the_prompt(tiny_model
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     row = trainer.train_dataset[0]
     assert tokenizer.decode([t for t in row["labels"] if t != -100]) == "The answer is 56.<|im_end|>"
+
+
+def template_tokenizer(tiny_model_path, template: str, specials: list[str], eos: str, stops: list[str]):
+    """The tiny tokenizer with another model's chat template and special tokens, and that model's generation stop ids
+    (built offline: the template is TRL's copy)."""
+    from transformers import GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    tokenizer.eos_token, tokenizer.chat_template = eos, template
+    if "<bos>" in specials:
+        tokenizer.bos_token = "<bos>"
+    return tokenizer, GenerationConfig(eos_token_id=tokenizer.convert_tokens_to_ids(stops))
+
+
+def test_the_end_of_a_turn_comes_from_the_generation_configs_stop_ids(tiny_model_path):
+    from trl.chat_template_utils import gemma_chat_template
+
+    from trl_topr.tokens import end_of_sequence_ids, stop_texts
+
+    # Gemma: turns end with <end_of_turn>, which its generation config stops at beside <eos> (absent from the
+    # template). Cut at the tokenizer's EOS alone, each assistant turn would take the template's "\n" after it too.
+    tokenizer, config = template_tokenizer(
+        tiny_model_path, gemma_chat_template, ["<bos>", "<start_of_turn>", "<end_of_turn>", "<eos>"], "<eos>",
+        ["<eos>", "<end_of_turn>"],
+    )  # fmt: skip
+    end = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    stops = end_of_sequence_ids(config, tokenizer)
+    assert stops == {tokenizer.eos_token_id, end} and set(stop_texts(tokenizer, stops)) == {"<eos>", "<end_of_turn>"}
+    completion = [
+        {"role": "assistant", "content": "7 * 8 = 56"},
+        {"role": "user", "content": "Sure?"},
+        {"role": "assistant", "content": "Yes, 56."},
+    ]
+    row = trajectory_ids(tokenizer, PROMPT, completion, stop_ids=stops)
+    policy = [[t for t, m in zip(row["completion_ids"], row["tool_mask"]) if m]]
+    turns = [i for i, m in enumerate(row["tool_mask"]) if m and row["completion_ids"][i] == end]
+    assert len(turns) == 2 and row["completion_ids"][-1] == end  # each turn ends on <end_of_turn>, nothing after
+    assert all(row["tool_mask"][i + 1] == 0 for i in turns[:1])  # the "\n" after it is the template's
+    assert tokenizer.decode(policy[0], skip_special_tokens=True).replace("\n", "") == "7 * 8 = 56Yes, 56."
+    eos_only = trajectory_ids(tokenizer, PROMPT, completion)  # the other choice: a different cut
+    assert sum(eos_only["tool_mask"]) > sum(row["tool_mask"])
+    # Qwen2.5: <|im_end|> ends a turn, and its generation config stops at <|endoftext|> too
+    tokenizer, config = template_tokenizer(
+        tiny_model_path, qwen2_5_chat_template, ["<|endoftext|>"], "<|im_end|>", ["<|im_end|>", "<|endoftext|>"]
+    )
+    stops = end_of_sequence_ids(config, tokenizer)
+    row = trajectory_ids(tokenizer, PROMPT, CALLS, TOOLS, stop_ids=stops)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for i, (token, mask) in enumerate(zip(row["completion_ids"], row["tool_mask"])):
+        if mask and token == im_end:  # a turn's last policy token; what follows is the template's
+            assert i + 1 == len(row["tool_mask"]) or row["tool_mask"][i + 1] == 0
+
+
+def test_the_sampler_and_the_data_cut_a_turn_at_its_first_stop_token(tiny_model_path):
+    from trl_topr.trajectories import end_of_turn, tool_suffix_ids
+
+    # A template whose tool-calling turns end with two stop tokens: the turn ends at the first one, for the sampler's
+    # suffix and the offline cut alike (the last one would count the template's <|endoftext|> as the policy's)
+    turn_end = "{%- endfor %}\n        {{- '<|im_end|>\\n' }}"
+    assert qwen2_5_chat_template.count(turn_end) == 1
+    template = qwen2_5_chat_template.replace(turn_end, turn_end.replace("<|im_end|>", "<|im_end|><|endoftext|>"))
+    tokenizer, config = template_tokenizer(
+        tiny_model_path, template, ["<|endoftext|>"], "<|im_end|>", ["<|im_end|>", "<|endoftext|>"]
+    )
+    stops = {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+    call, result = CALLS[:1], CALLS[1:2]
+    offline = trajectory_ids(tokenizer, PROMPT, call + result, TOOLS, stop_ids=stops)
+    first_turn = [t for t, m in zip(offline["completion_ids"], offline["tool_mask"]) if m]
+    suffix = tool_suffix_ids(tokenizer, PROMPT, call, result, TOOLS, stop_ids=stops)
+    # the sampler records the first turn, then the suffix (which ends on the next generation prompt): the ids the
+    # data cut makes of the trajectory that ends on the tool's result
+    assert (first_turn + suffix)[: len(offline["completion_ids"])] == offline["completion_ids"]
+    assert first_turn[-1] == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert suffix[0] == tokenizer.convert_tokens_to_ids("<|endoftext|>")  # the template's, context
+    text = "a<|im_end|>\n<|endoftext|>"
+    assert end_of_turn(text, 0, len(text), ["<|endoftext|>", "<|im_end|>"]) == len("a<|im_end|>")

@@ -15,9 +15,9 @@ from trl.trainer.utils import add_fused_lm_head
 
 from .compat import CHECKPOINTING
 from .distributed import full_weights, is_meta_model, map_across_processes
-from .generation.engine import padding_id
 from .precision import autocast as inference_autocast
 from .precision import training_autocast
+from .tokens import padding_id
 
 
 # The per-token outputs of the fused LM head that TRL's SFTTrainer asks for (TOPR reports the entropy too)

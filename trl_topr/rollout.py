@@ -281,7 +281,9 @@ def _tool_loop(
             calls[i] += len(tool_messages)
             failures[i] += failed
             try:
-                suffix = tool_suffix_ids(processing_class, prompts[owner[i]], messages[i], tool_messages, tools)
+                suffix = tool_suffix_ids(
+                    processing_class, prompts[owner[i]], messages[i], tool_messages, tools, engine.eos_ids
+                )
             except TrajectoryError as error:
                 raise ValueError(f"Sampling with tools: {error}") from error
             if len(ids[i]) + len(suffix) >= limit:  # no room left for the policy to read the result and answer

@@ -11,7 +11,14 @@ from accelerate.logging import get_logger
 from accelerate.utils import broadcast_object_list
 from datasets import Dataset, concatenate_datasets, is_caching_enabled
 from datasets.fingerprint import Hasher
-from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback, TrainingArguments
+from transformers import (
+    AutoConfig,
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    TrainerCallback,
+    TrainingArguments,
+)
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import SFTTrainer
 from trl.trainer.utils import get_config_model_id
@@ -40,6 +47,7 @@ from .logprobs import (
     logps_settings,
 )
 from .loss import combine_metrics, topr_loss
+from .tokens import end_of_sequence_ids
 from .trajectories import with_trajectory_ids
 
 
@@ -232,11 +240,17 @@ class TOPRTrainer(SFTTrainer):
         else:
             self.baseline = args.baseline if args.baseline is not None else 0.0
 
-        # The model's vocabulary, to check given token ids against (datasets are prepared before the model is set).
+        # The model's vocabulary, to check given token ids against, and the generation config whose stop ids end a
+        # trajectory's turns (datasets are prepared before the model is set).
         if isinstance(model, str):
             self._vocab_size = AutoConfig.from_pretrained(model).get_text_config().vocab_size
+            try:
+                self._generation_config = GenerationConfig.from_pretrained(model)
+            except OSError:  # a model without a generation config: its tokenizer's EOS ends its turns
+                self._generation_config = None
         else:
             self._vocab_size = model.get_input_embeddings().num_embeddings
+            self._generation_config = getattr(model, "generation_config", None)
 
         with _as_sft_sees_it(args):
             super().__init__(
@@ -272,7 +286,8 @@ class TOPRTrainer(SFTTrainer):
         if "input_ids" in dataset.column_names:  # already prepared
             return dataset
         # multi-turn messages: cut into the policy's token ids and the rest, as a sampler records them
-        dataset = with_trajectory_ids(dataset, processing_class, dataset_name)
+        stop_ids = end_of_sequence_ids(self._generation_config, processing_class)  # where the sampler stops a turn
+        dataset = with_trajectory_ids(dataset, processing_class, dataset_name, stop_ids)
         if PROMPT_IDS in dataset.column_names:  # the sampler's own ids: trained exactly, TRL sees tokenized data
             dataset = self._tokens_from_ids(dataset, dataset_name)
         # Tokenize with TRL's SFT preparation, untruncated, so that the checks below see every row at its index.

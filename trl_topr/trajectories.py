@@ -11,7 +11,7 @@ from typing import Any
 from datasets import Dataset
 
 from .data import COMPLETION, COMPLETION_IDS, PROMPT, PROMPT_IDS, TOOL_MASK, data_error, first_multi_turn_row
-from .generation.engine import text_tokenizer
+from .tokens import stop_texts, text_tokenizer
 
 
 # TRL's column of the tools a row's model could call (JSON text or a list of schemas)
@@ -83,18 +83,58 @@ def _not_prefix_preserving(index: int) -> TrajectoryError:
     )
 
 
-def trajectory_ids(processing_class, prompt: list[dict], completion: list[dict], tools: list | None = None) -> dict:
+def end_of_turn(text: str, start: int, end: int, stops: list[str]) -> int:
+    """
+    Where the policy's turn that starts at `start` ends in a rendered conversation: just after the first of the
+    end-of-turn texts `stops` found in `text[start:end]` (generation stops at the first such token, so nothing after
+    it is the policy's), or at `end` where none is (a template that writes no end-of-turn token). The one cut of
+    [`trajectory_ids`] (offline data) and [`tool_suffix_ids`] (the sampler).
+
+    Args:
+        text (`str`):
+            The rendered conversation.
+        start (`int`):
+            The turn's start: the end of its generation prompt.
+        end (`int`):
+            The end of the turn's rendering.
+        stops (`list[str]`):
+            The texts of the tokens that end a turn ([`~trl_topr.tokens.stop_texts`]).
+
+    Returns:
+        `int`: the position after the turn's end.
+
+    Example:
+    ```python
+    >>> from trl_topr.trajectories import end_of_turn
+
+    >>> text = "<user>7*8?<end><assistant>56<end>\\n<eos>"
+    >>> start = text.index("<assistant>") + len("<assistant>")
+    >>> text[start : end_of_turn(text, start, len(text), ["<eos>", "<end>"])]  # the first of them, not the last
+    '56<end>'
+
+    ```
+    """
+    found = [(position, len(stop)) for stop in stops if (position := text.find(stop, start, end)) >= 0]
+    if not found:
+        return end
+    position, length = min(found)
+    return position + length
+
+
+def trajectory_ids(
+    processing_class, prompt: list[dict], completion: list[dict], tools: list | None = None, stop_ids=None
+) -> dict:
     """
     The token ids of a conversational prompt and completion, and which completion tokens the policy produced: what a
     sampler records for the trajectory (the completion's ids and TRL's `tool_mask`).
 
     The chat template renders the conversation once. In each assistant turn, the policy produced the text from the
     end of the generation prompt (the template's rendering of the conversation before the turn, with
-    `add_generation_prompt=True`) to its end-of-turn token (the tokenizer's EOS token, included; the whole turn where
-    the template writes none). Everything else is context, with mask 0: tool results, the headers the template puts
-    around them, the text it adds after the end-of-turn token, system and user turns. A trajectory that ends on an
-    assistant turn ends at its end-of-turn token, as generation stops there. Each piece is tokenized on its own, as
-    generation cuts the sequence (the policy's tokens do not merge with the template's).
+    `add_generation_prompt=True`) to its end-of-turn token ([`end_of_turn`]: the first token of `stop_ids`,
+    included; the whole turn where the template writes none). Everything else is context, with mask 0: tool results,
+    the headers the template puts around them, the text it adds after the end-of-turn token, system and user turns.
+    A trajectory that ends on an assistant turn ends at its end-of-turn token, as generation stops there. Each piece
+    is tokenized on its own, as generation cuts the sequence (the policy's tokens do not merge with the template's).
 
     Args:
         processing_class ([`~transformers.PreTrainedTokenizerBase`] or [`~transformers.ProcessorMixin`]):
@@ -106,6 +146,9 @@ def trajectory_ids(processing_class, prompt: list[dict], completion: list[dict],
             other turns.
         tools (`list`, *optional*):
             The tools' schemas (or functions), as `apply_chat_template` takes them.
+        stop_ids (`set[int]`, *optional*):
+            The ids that end a turn: the model's ([`~trl_topr.tokens.end_of_sequence_ids`], what the sampler stops
+            at). Defaults to the tokenizer's EOS.
 
     Returns:
         `dict`: `prompt_ids`, `completion_ids` and `tool_mask` (one 0 / 1 per completion id).
@@ -114,7 +157,7 @@ def trajectory_ids(processing_class, prompt: list[dict], completion: list[dict],
         [`TrajectoryError`]: when the template renders a conversation's start differently once more messages follow
         (it is not prefix-preserving: the policy's text cannot be located), or drops an assistant's tool calls.
     """
-    tokenizer = text_tokenizer(processing_class)
+    tokenizer, stops = text_tokenizer(processing_class), stop_texts(processing_class, stop_ids)
     full = render(processing_class, prompt + completion, tools)
 
     def length(messages: list[dict], generation_prompt: bool) -> int:
@@ -128,9 +171,7 @@ def trajectory_ids(processing_class, prompt: list[dict], completion: list[dict],
         if message["role"] != "assistant":
             continue
         start = length(prompt + completion[:index], generation_prompt=True)
-        end = length(prompt + completion[: index + 1], generation_prompt=False)
-        stop = full.find(tokenizer.eos_token, start, end) if tokenizer.eos_token else -1
-        end = stop + len(tokenizer.eos_token) if stop >= 0 else end
+        end = end_of_turn(full, start, length(prompt + completion[: index + 1], generation_prompt=False), stops)
         for call in message.get("tool_calls") or []:
             name = call.get("function", call).get("name", "")
             if name not in full[start:end]:
@@ -156,7 +197,12 @@ def trajectory_ids(processing_class, prompt: list[dict], completion: list[dict],
 
 
 def tool_suffix_ids(
-    processing_class, prompt: list[dict], completion: list[dict], tool_messages: list[dict], tools: list | None = None
+    processing_class,
+    prompt: list[dict],
+    completion: list[dict],
+    tool_messages: list[dict],
+    tools: list | None = None,
+    stop_ids=None,
 ) -> list[int]:
     """
     The token ids that follow the policy's end-of-turn token once tools have answered its calls: the template's text
@@ -174,6 +220,8 @@ def tool_suffix_ids(
             The tools' results (`{"role": "tool", "name": ..., "content": ...}`).
         tools (`list`, *optional*):
             The tools, as `apply_chat_template` takes them.
+        stop_ids (`set[int]`, *optional*):
+            The ids that end a turn, where the policy stopped (the engine's); defaults to the tokenizer's EOS.
 
     Returns:
         `list[int]`: the ids.
@@ -185,14 +233,13 @@ def tool_suffix_ids(
     before = render(processing_class, prompt + completion, tools)
     after = render(processing_class, prompt + completion + tool_messages, tools, generation_prompt=True)
     start = len(render(processing_class, prompt + completion[:-1], tools, generation_prompt=True))
-    stop = before.rfind(tokenizer.eos_token, start) if tokenizer.eos_token else -1
-    cut = stop + len(tokenizer.eos_token) if stop >= 0 else len(before)
+    cut = end_of_turn(before, start, len(before), stop_texts(processing_class, stop_ids))
     if not after.startswith(before[:cut]):
         raise _not_prefix_preserving(len(completion))
     return tokenizer(after[cut:], add_special_tokens=False)["input_ids"]
 
 
-def with_trajectory_ids(dataset: Dataset, processing_class, dataset_name: str = "train") -> Dataset:
+def with_trajectory_ids(dataset: Dataset, processing_class, dataset_name: str = "train", stop_ids=None) -> Dataset:
     """
     `dataset` with the token ids of its trajectories ([`trajectory_ids`]) when it holds multi-turn conversational
     completions given as messages only; as it is otherwise. Every row of such a dataset is cut the same way, a
@@ -206,6 +253,8 @@ def with_trajectory_ids(dataset: Dataset, processing_class, dataset_name: str = 
             The tokenizer.
         dataset_name (`str`, *optional*, defaults to `"train"`):
             Name used in error messages.
+        stop_ids (`set[int]`, *optional*):
+            The ids that end a turn (the model's, see [`trajectory_ids`]).
 
     Returns:
         [`~datasets.Dataset`]: the dataset, with `prompt_ids`, `completion_ids` and `tool_mask` where it had
@@ -220,7 +269,7 @@ def with_trajectory_ids(dataset: Dataset, processing_class, dataset_name: str = 
     rows = []
     for row, (prompt, completion, row_tool) in enumerate(zip(dataset[PROMPT], dataset[COMPLETION], tools)):
         try:
-            rows.append(trajectory_ids(processing_class, prompt, completion, row_tools(row_tool)))
+            rows.append(trajectory_ids(processing_class, prompt, completion, row_tools(row_tool), stop_ids))
         except TrajectoryError as error:
             raise data_error(dataset_name, COMPLETION, row, str(error)) from error
     for column in (PROMPT_IDS, COMPLETION_IDS, TOOL_MASK):

@@ -1,69 +1,18 @@
-"""The interface every generation engine implements, and what they share: prompt tokenization, the split of prompts
-across processes, the end-of-sequence cut."""
+"""The interface every generation engine implements, and what they share: the split of prompts across processes, the
+end-of-sequence cut (the token helpers are `trl_topr.tokens`')."""
 
 import dataclasses
 import time
 
 from accelerate.logging import get_logger
 from transformers import PreTrainedTokenizerBase
-from trl.data_utils import _tokenize
 
 from ..distributed import map_across_processes
+from ..tokens import end_of_sequence_ids, padding_id, prompt_ids, text_tokenizer  # noqa: F401  (re-exported)
 from .settings import SamplingSettings
 
 
 logger = get_logger(__name__)
-
-
-def prompt_ids(processing_class: PreTrainedTokenizerBase, prompt, tools: list | None = None) -> list[int]:
-    """
-    The token ids of a prompt as [`~trl_topr.TOPRTrainer`] tokenizes it: text as is, messages with the chat template
-    and its generation prompt.
-
-    Args:
-        processing_class ([`~transformers.PreTrainedTokenizerBase`]):
-            The tokenizer.
-        prompt (`str` or `list[dict]`):
-            A prompt, text or messages.
-        tools (`list`, *optional*):
-            Tools the chat template shows the model (functions or schemas), for messages.
-
-    Returns:
-        `list[int]`: its token ids.
-    """
-    if isinstance(prompt, list):
-        return _tokenize(processing_class, prompt, add_generation_prompt=True, tools=tools or None)["input_ids"]
-    return _tokenize(processing_class, prompt)["input_ids"]
-
-
-def text_tokenizer(processing_class):
-    """
-    The text tokenizer of a processing class: a processor's `tokenizer`, or the tokenizer itself.
-
-    Args:
-        processing_class ([`~transformers.PreTrainedTokenizerBase`] or [`~transformers.ProcessorMixin`]):
-            A tokenizer, or a processor holding one.
-
-    Returns:
-        [`~transformers.PreTrainedTokenizerBase`]: the tokenizer.
-    """
-    return getattr(processing_class, "tokenizer", processing_class)
-
-
-def padding_id(processing_class) -> int:
-    """The padding id of a processing class's tokenizer ([`text_tokenizer`]): its pad token, else its EOS."""
-    tokenizer = text_tokenizer(processing_class)
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-
-def end_of_sequence_ids(model, processing_class: PreTrainedTokenizerBase) -> set[int]:
-    """The token ids that end a generation: the tokenizer's EOS and those of the model's generation config."""
-    tokenizer = text_tokenizer(processing_class)
-    eos_ids = {tokenizer.eos_token_id}
-    if model is not None and model.generation_config.eos_token_id is not None:
-        configured = model.generation_config.eos_token_id
-        eos_ids |= set(configured if isinstance(configured, list) else [configured])
-    return eos_ids
 
 
 @dataclasses.dataclass
