@@ -107,14 +107,7 @@ def evaluate_policy(
     greedy_correct, sampled_correct = correctness(greedy, 1), correctness(sampled, k)
     sampled_answers = [answer_func(completion_text(c)) for c in sampled]
 
-    majority_correct = []
-    for i in range(len(prompts)):
-        group = range(i * k, (i + 1) * k)
-        winner = weighted_vote([sampled_answers[j] for j in group])
-        majority_correct.append(
-            winner is not None and next(sampled_correct[j] for j in group if sampled_answers[j] == winner)
-        )
-
+    majority_correct = [_majority_correct(sampled_answers, sampled_correct, i, k) for i in range(len(prompts))]
     metrics = {
         "pass@1_greedy": _mean(greedy_correct),
         "pass@1": _mean(sampled_correct),
@@ -138,6 +131,13 @@ def evaluate_policy(
         for i in range(len(prompts))
     ]
     return metrics, per_prompt
+
+
+def _majority_correct(answers: list, correct: list[bool], prompt: int, k: int) -> bool:
+    # whether prompt `prompt`'s most frequent valid answer among its k samples is correct
+    group = range(prompt * k, (prompt + 1) * k)
+    winner = weighted_vote([answers[j] for j in group])
+    return winner is not None and next(correct[j] for j in group if answers[j] == winner)
 
 
 def _mean(values) -> float:

@@ -238,64 +238,23 @@ def run_topr_loop(
     _check_prompts_and_rewards(train_prompts, eval_prompts, reward_funcs, loop_args, correct_func, answer_func)
     curate = curation_function(loop_args.curation)
     processing_class = processing_class or AutoTokenizer.from_pretrained(model)
-    if tools:
-        for prompts in [train_prompts, *_named(eval_prompts).values()]:
-            prepare_tool_calling(processing_class, tools, list(prompts[PROMPT]))
-    checked_prompt_ids(processing_class, list(train_prompts[PROMPT]), train_args.max_length, "train prompts", tools)
+    _prepare_prompts(processing_class, train_prompts, eval_prompts, train_args.max_length, tools)
     models = _RoundModels(model, train_args, processing_class, peft_config, quantization_config)
     log = _RoundLog(train_args.output_dir, callbacks or [])
     log.check_resumable(loop_args.num_rounds, loop_args.replay_rounds)  # before anything is written
-    engine_of_the_loop, progress = engine is None, not train_args.disable_tqdm
-    generation = {"tools": tools, "max_tool_calling_iterations": loop_args.max_tool_calling_iterations}
-
-    def evaluate(round_index: int, folder: str, policy, training_engine=None) -> dict[str, float]:
-        engine.load_weights(folder, model=policy, training_engine=training_engine)
-        metrics = {}
-        for name, prompts in _named(eval_prompts).items():
-            logger.info(f"Evaluating on {len(prompts)} held-out prompts{f' ({name})' if name else ''}")
-            values, per_prompt = evaluate_policy(
-                None,
-                processing_class,
-                prompts,
-                correct_func,
-                answer_func,
-                loop_args.eval_sampling(seed=train_args.seed),
-                engine=engine,
-                progress=progress,
-                return_per_prompt=True,
-                **generation,
-            )
-            log.save_evaluation(per_prompt, round_index, name)
-            metrics.update({f"{name}/{key}" if name else key: value for key, value in values.items()})
-        return metrics
-
+    generation = _RoundGeneration(loop_args, train_args, processing_class, engine, tools)
+    evaluation = dict(eval_prompts=eval_prompts, correct_func=correct_func, answer_func=answer_func, log=log)
     try:
         if not log.rounds:
             policy = models.load(model)
-            engine = engine or generation_engine(policy, processing_class, loop_args, train_args)
-            log.record({"round": 0, **evaluate(0, model, policy)})
-            engine.release_weights()
+            log.record({"round": 0, **generation.evaluate(0, model, policy, **evaluation)})
+            generation.engine.release_weights()
             del policy
         for round_index in range(log.rounds[-1]["round"] + 1, loop_args.num_rounds + 1):
             round_dir, previous = log.start_round(round_index), models.folder_before(round_index, log.output_dir)
             policy = models.load(previous)
-            engine = engine or generation_engine(policy, processing_class, loop_args, train_args)
-            engine.load_weights(previous, model=policy)
             prompts = round_prompts(train_prompts, round_index, loop_args.prompts_per_round)
-            logger.info(f"Round {round_index}/{loop_args.num_rounds}: sampling completions of {len(prompts)} prompts")
-            samples = sample_completions(
-                policy,
-                prompts,
-                reward_funcs,
-                processing_class=processing_class,
-                reward_weights=loop_args.reward_weights,
-                sampling=loop_args.sampling(seed=train_args.seed + round_index),
-                args=train_args,
-                engine=engine,
-                behavior_logps_source=loop_args.behavior_logps_source,
-                progress=progress,
-                **generation,
-            )
+            samples = generation.sample(round_index, previous, policy, prompts, reward_funcs)
             log.save_samples(samples, round_dir)
             own = curate(samples) if curate is not None else samples
             own = own.add_column(SAMPLE_ROUND, [round_index] * len(own))
@@ -309,22 +268,85 @@ def run_topr_loop(
             train_loss = trainer.train().training_loss
             log.save_trainer_state(trainer, round_dir)
             models.save(trainer, previous, round_dir)
-            log.record(
-                {
-                    "round": round_index,
-                    **_round_metrics(samples, own, train_data, trainer, train_loss),
-                    **ages,
-                    **evaluate(round_index, str(round_dir), trainer.model, getattr(trainer, "deepspeed", None)),
-                }
+            held_out = generation.evaluate(
+                round_index, str(round_dir), trainer.model, getattr(trainer, "deepspeed", None), **evaluation
             )
-            engine.release_weights()
+            metrics = _round_metrics(samples, own, train_data, trainer, train_loss)
+            log.record({"round": round_index, **metrics, **ages, **held_out})
+            generation.engine.release_weights()
             release_trainer(trainer)  # the round's model, optimizer and training engine go with it
             del trainer, policy
             clear_device_cache(garbage_collection=True)  # now, not later: a model sits in reference cycles
     finally:
-        if engine_of_the_loop and engine is not None:
-            engine.close()  # keeps the processes' torch.distributed group for the script's next steps
+        generation.close()
     return read_rounds(str(log.output_dir))
+
+
+def _prepare_prompts(processing_class, train_prompts, eval_prompts, max_length, tools) -> None:
+    # Once per loop, before anything is generated: the tools' template and parser, and every training prompt leaving
+    # room for a completion
+    if tools:
+        for prompts in [train_prompts, *_named(eval_prompts).values()]:
+            prepare_tool_calling(processing_class, tools, list(prompts[PROMPT]))
+    checked_prompt_ids(processing_class, list(train_prompts[PROMPT]), max_length, "train prompts", tools)
+
+
+class _RoundGeneration:
+    # What the rounds generate with: one engine, started when first needed (or the caller's), each round's sampling
+    # and the evaluations, as the loop's configuration asks
+    def __init__(self, loop_args, train_args, processing_class, engine, tools):
+        self.loop_args, self.train_args, self.processing_class = loop_args, train_args, processing_class
+        self.engine, self.owned, self.progress = engine, engine is None, not train_args.disable_tqdm
+        self.options = {"tools": tools, "max_tool_calling_iterations": loop_args.max_tool_calling_iterations}
+
+    def start(self, policy) -> GenerationEngine:
+        if self.engine is None:
+            self.engine = generation_engine(policy, self.processing_class, self.loop_args, self.train_args)
+        return self.engine
+
+    def sample(self, round_index: int, folder: str, policy, prompts: Dataset, reward_funcs) -> Dataset:
+        self.start(policy).load_weights(folder, model=policy)
+        logger.info(f"Round {round_index}/{self.loop_args.num_rounds}: sampling completions of {len(prompts)} prompts")
+        return sample_completions(
+            policy,
+            prompts,
+            reward_funcs,
+            processing_class=self.processing_class,
+            reward_weights=self.loop_args.reward_weights,
+            sampling=self.loop_args.sampling(seed=self.train_args.seed + round_index),
+            args=self.train_args,
+            engine=self.engine,
+            behavior_logps_source=self.loop_args.behavior_logps_source,
+            progress=self.progress,
+            **self.options,
+        )
+
+    def evaluate(
+        self, round_index, folder, policy, training_engine=None, *, eval_prompts, correct_func, answer_func, log
+    ) -> dict[str, float]:
+        self.start(policy).load_weights(folder, model=policy, training_engine=training_engine)
+        metrics = {}
+        for name, prompts in _named(eval_prompts).items():
+            logger.info(f"Evaluating on {len(prompts)} held-out prompts{f' ({name})' if name else ''}")
+            values, per_prompt = evaluate_policy(
+                None,
+                self.processing_class,
+                prompts,
+                correct_func,
+                answer_func,
+                self.loop_args.eval_sampling(seed=self.train_args.seed),
+                engine=self.engine,
+                progress=self.progress,
+                return_per_prompt=True,
+                **self.options,
+            )
+            log.save_evaluation(per_prompt, round_index, name)
+            metrics.update({f"{name}/{key}" if name else key: value for key, value in values.items()})
+        return metrics
+
+    def close(self) -> None:
+        if self.owned and self.engine is not None:
+            self.engine.close()  # keeps the processes' torch.distributed group for the script's next steps
 
 
 def curation_function(name: str | None) -> Callable[[Dataset], Dataset] | None:

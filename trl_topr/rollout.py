@@ -253,7 +253,6 @@ def _tool_loop(
 ) -> Trajectories:
     # The turns after the first, with tools in the loop (see `rollout`)
     tokenizer = text_tokenizer(processing_class)
-    by_name = {tool.__name__: tool for tool in tools}
     limit = sampling.max_new_tokens
     start, generated = time.perf_counter(), 0
     count = len(first.completion_ids)
@@ -269,15 +268,10 @@ def _tool_loop(
     iteration = 0
     while pending and (max_tool_calling_iterations is None or iteration < max_tool_calling_iterations):
         iteration += 1
-        # the tools run once, on the main process; every process goes on with the same results
-        state = PartialState()
-        results = [None]
-        if state.is_main_process:
-            results = [[call_tools(messages[i][-1]["tool_calls"], by_name) for i in pending]]
-        if state.num_processes > 1:
-            broadcast_object_list(results, from_process=0)
         going_on = []
-        for i, (tool_messages, failed) in zip(pending, results[0]):
+        for i, (tool_messages, failed) in zip(
+            pending, _run_once([messages[i][-1]["tool_calls"] for i in pending], tools)
+        ):
             calls[i] += len(tool_messages)
             failures[i] += failed
             try:
@@ -321,6 +315,17 @@ def _tool_loop(
         tool_failures=failures,
         tokens_per_s=generated / max(first_seconds + time.perf_counter() - start, 1e-9),
     )
+
+
+def _run_once(turns_calls: list[list[dict]], tools: list[Callable]) -> list[tuple[list[dict], int]]:
+    # Each turn's calls, run once, on the main process; every process goes on with the same results
+    state, results = PartialState(), [None]
+    if state.is_main_process:
+        by_name = {tool.__name__: tool for tool in tools}
+        results = [[call_tools(calls, by_name) for calls in turns_calls]]
+    if state.num_processes > 1:
+        broadcast_object_list(results, from_process=0)
+    return results[0]
 
 
 def _parsed(tokenizer, ids: list[int], context: list[int], tools: list[Callable]) -> dict:
