@@ -429,3 +429,11 @@ def test_token_mean_of_parts_adds_up_to_the_whole_batch(ratio_level):
         total = total + piece.detach()
     torch.testing.assert_close(total, loss.detach())
     torch.testing.assert_close(part.grad, whole.grad)
+
+
+def test_rewards_at_the_baseline_are_not_counted_as_positives():
+    # 0/1 rewards that are all 0, baseline 0: nothing is pushed, and no sequence is a positive (it logged 1 before)
+    _, metrics = topr_loss(torch.zeros(3, 2), torch.ones(3, 2), torch.zeros(3), torch.zeros(3))
+    assert metrics["positive_fraction"].item() == 0.0 and math.isnan(metrics["effective_positive_fraction"].item())
+    _, metrics = topr_loss(torch.zeros(4, 2), torch.ones(4, 2), torch.tensor([1.0, 0.0, 0.0, -1.0]), torch.zeros(4))
+    assert metrics["positive_fraction"].item() == 0.25

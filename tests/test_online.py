@@ -115,7 +115,7 @@ def test_rewards_are_raw_and_the_baseline_is_ours(tiny_model_path, tmp_path, gro
     trainer.train()
     log = trainer.state.log_history[0]
     assert log["baseline"] == (2.0 if group_baseline else 0.0)
-    assert log["positive_fraction"] == 1.0
+    assert log["positive_fraction"] == (0.0 if group_baseline else 1.0)  # at the baseline: pushed neither way
     assert (log["loss"] == 0.0) == group_baseline
 
 

@@ -540,7 +540,7 @@ def _round_metrics(
     rewards = list(samples[REWARD])
     return {
         "reward": sum(rewards) / len(rewards),
-        "positive_fraction": sum(r >= 0 for r in rewards) / len(rewards),
+        "positive_fraction": sum(r > 0 for r in rewards) / len(rewards),  # a reward of 0 is not a success
         "effective_positive_fraction": effective_positive_fraction(train_data[REWARD], trainer.baseline),
         "num_samples": len(samples),
         "num_new_train_rows": len(own),  # the rows of train.jsonl, which replay checks its reading against

@@ -492,7 +492,8 @@ def _metrics(
     push = sequence_weights * advantages.abs()
     return {
         "reward": rewards.float().mean(),
-        "positive_fraction": positive.mean(),
+        # a sequence at the baseline (R = c) is pushed neither way: not counted as a positive (all-zero rewards: 0)
+        "positive_fraction": (advantages > 0).to(mask.dtype).mean(),
         "effective_positive_fraction": (advantages.clamp(min=0).sum() / absolute) if absolute > 0 else nan,
         "baseline": log_ratio.new_tensor(float(baseline)),
         "positive_weight_mean": _masked_mean(weights, positive_items),
