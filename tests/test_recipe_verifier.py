@@ -164,7 +164,6 @@ def test_num_rounds_0_scores_the_initial_verifier_and_exits_cleanly(tiny_model_p
     assert not (tmp_path / "hub").exists()
 
 
-@pytest.mark.skipif(not (GSM8K / "train.jsonl").exists(), reason=f"the shared GSM8K data is not present ({GSM8K})")
 def test_real_gsm8k_questions_from_a_local_folder(tiny_model_path, tmp_path):
     verifier.main(
         *tiny_args(
