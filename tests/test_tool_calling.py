@@ -208,3 +208,40 @@ def test_calls_of_any_arguments_are_stored_in_one_column_and_cut_as_rendered(too
     for calls, kept in zip(made, stored):
         cut = trajectory_ids(tokenizer, PROMPT, calls, [multiply])
         assert trajectory_ids(tokenizer, PROMPT, kept, [multiply]) == cut
+
+
+def test_the_rollout_agrees_with_trls_grpo_tool_loop(tool_policy, tmp_path):
+    # TRL's GRPOTrainer samples the same prompts with the same tools, greedily (top-k 1), through its own tool loop:
+    # the completion ids and the tool mask are ours, token for token
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trl_topr.generation import TransformersEngine, prompt_ids
+    from trl_topr.rollout import prepare_tool_calling, rollout
+
+    config = GRPOConfig(
+        str(tmp_path / "grpo"),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=200,
+        top_k=1,
+        max_tool_calling_iterations=3,
+    )
+    trainer = GRPOTrainer(tool_policy, reward_funcs=says_56, args=config, train_dataset=prompts(2), tools=[multiply])
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions([{"prompt": PROMPT, "answer": "56"}] * 2)  # its sampling step
+    lengths = batch["completion_mask"].sum(-1).tolist()
+    trl_ids = [row[:n] for row, n in zip(batch["completion_ids"].tolist(), lengths)]
+    trl_mask = [row[:n] for row, n in zip(batch["tool_mask"].tolist(), lengths)]
+
+    model, tokenizer = load(tool_policy)
+    prepare_tool_calling(tokenizer, [multiply], [PROMPT])
+    ids = [prompt_ids(tokenizer, PROMPT, [multiply])] * 2
+    ours = rollout(
+        TransformersEngine(model, tokenizer, bf16=False), tokenizer, [PROMPT] * 2, ids, GREEDY, [multiply], 3
+    )
+    assert trl_ids == ours.completion_ids
+    assert trl_mask == ours.tool_mask
+    assert all(0 in mask for mask in ours.tool_mask)  # a tool's result was appended and left untrained
