@@ -74,6 +74,7 @@ HELP = {
         "--behavior_logps_source",
         "--output_path",
     ],
+    "grpo": ["--reward_funcs", "--loss_type", "--target_positive_fraction", "--group_baseline", "--num_generations"],
     "eval": [
         "--correct_func",
         "--answer_func",
@@ -319,3 +320,44 @@ def test_save_and_load_datasets(tmp_path):
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_grpo_command_runs_trls_grpo_script_with_the_topr_trainer(tiny_model_path, tmp_path):
+    # TRL's own GRPO script, with TOPR's trainer and configuration: one step on a local prompts file, a reward by
+    # dotted path; the precision it picked is printed, and the saved model's card names TOPR
+    (tmp_path / "my_rewards.py").write_text(
+        "def length_reward(completions, **kwargs):\n    return [float(len(c)) for c in completions]\n"
+    )
+    rows = [{"prompt": f"What is {i} + 3?"} for i in range(4)]
+    (tmp_path / "prompts").mkdir()
+    write_jsonl(tmp_path / "prompts" / "train.jsonl", rows)
+    output = tmp_path / "out"
+    result = run_cli(
+        [
+            "grpo",
+            "--model_name_or_path",
+            tiny_model_path,
+            "--dataset_name",
+            str(tmp_path / "prompts"),
+            "--reward_funcs",
+            "my_rewards.length_reward",
+            "--target_positive_fraction",
+            "0.5",
+            "--num_generations",
+            "2",
+            "--per_device_train_batch_size",
+            "2",
+            "--max_completion_length",
+            "6",
+            "--max_steps",
+            "1",
+            "--report_to",
+            "none",
+            "--output_dir",
+            str(output),
+        ],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "] Precision: " in result.stderr
+    assert "TOPR" in (output / "README.md").read_text() and (output / "model.safetensors").exists()
