@@ -591,6 +591,63 @@ def iterative_curves(folder: str, methods: list[str] | None = None) -> str:
     return "\n".join(lines)
 
 
+def iterative_rate_curves(folder: str, arms: list[tuple[str, float]]) -> str:
+    """Learning curves with intervals of arms at given rates (every seed run there, from the ledger): test sampled
+    pass@1 after every tested round, and greedy pass@1 after the last, each the mean over seeds and test prompts with
+    its 95% bootstrap interval."""
+    results = load(folder)
+    rounds, k = [0, *tested_rounds(folder)], results["settings"]["k"]
+    header = ["method", "rate", "seeds", *[f"r{r}" for r in rounds], "greedy, last round"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for method, lr in arms:
+        runs = arm_runs(folder, method, lr)
+        cells = [interval_text(paired_stats.arm_interval(runs, [r], k)) for r in rounds]
+        greedy = [[{"test/correct": r[-1]["test/greedy_correct"]}] for r in runs]  # one sample, right or wrong
+        cells.append(interval_text(paired_stats.arm_interval(greedy, [0], 1)))
+        lines.append(f"| {method} | {rate_text(lr)} | {len(runs)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def interval_text(d) -> str:
+    """ "0.812 [0.790, 0.833]"."""
+    return f"{d.estimate:.3f} [{d.low:.3f}, {d.high:.3f}]"
+
+
+def iterative_importance(folder: str, methods: list[str], lr: float, rounds: list[int]) -> str:
+    """The importance weights beside the learning curve, at one rate (mean over the sweep's seeds, from the ledger):
+    per round, the test sampled pass@1, the effective sample size and the clamped fraction of the round's training
+    steps (`train/...`, each batch's own, averaged), and the effective sample size of its oldest replayed samples at
+    the start of the round (`age_<k>/...`)."""
+    finished, seeds = ledger(folder), range(load(folder)["settings"]["sweep_seeds"])
+    lines = [
+        f"| method ({rate_text(lr)}) | per round | " + " | ".join(f"r{r}" for r in rounds) + " |",
+        "|---|---|" + "---|" * len(rounds),
+    ]
+    for method in methods:
+        runs = [e["rounds"] for seed in seeds if (e := finished.get(method, lr, seed)) is not None]
+
+        def row(value, runs=runs) -> str:
+            return " | ".join(f"{mean(value(run[r], r) for run in runs):.2f}" for r in rounds)
+
+        def oldest(r: dict, key: str) -> float:
+            ages = [
+                int(k.split("/")[0].removeprefix("age_")) for k in r if k.startswith("age_") and k.endswith("/rows")
+            ]
+            return r[f"age_{max(ages)}/{key}"] if ages and max(ages) > 0 else float("nan")
+
+        lines += [
+            f"| {method} | test sampled pass@1 | " + row(lambda r, i: at(r, "pass@1")) + " |",
+            f"| {method} | effective sample size, training | "
+            + row(lambda r, i: r["train/effective_sample_size"])
+            + " |",
+            f"| {method} | clamped fraction, training | " + row(lambda r, i: r["train/clamped_fraction"]) + " |",
+            f"| {method} | effective sample size, oldest replayed | "
+            + row(lambda r, i: oldest(r, "effective_sample_size"))
+            + " |",
+        ]
+    return "\n".join(lines).replace("nan", "-")
+
+
 def iterative_to_threshold(folder: str, gains: tuple[float, ...]) -> str:
     """Completions sampled until each seed's test sampled pass@1 first reached the start plus each gain (the start:
     the starting model's mean over every run), at the tested rounds, seed by seed ("-": not within the run)."""

@@ -11,6 +11,11 @@ from accelerate import PartialState
 from trl_topr.testing import reapply_fsdp_plugin
 
 
+def masked_data_path(data_path: str) -> str:
+    """The token-ids dataset with a tool mask written beside the text one (`tests/test_sharded.py`)."""
+    return str(Path(data_path).with_name("masked.jsonl"))
+
+
 def main(
     engine: str,
     tests_dir: str,
@@ -46,6 +51,12 @@ def main(
     other = TOPRTrainer(other_model_path, args=args("other"), train_dataset=Dataset.from_json(data_path))
     result["other_behavior"] = list(other.train_dataset["behavior_logps"])
     del other
+
+    # Token ids with a tool mask (a trajectory's tool results among the policy's tokens): the precompute of mu counts
+    # the policy's tokens only, sharded as on one process
+    masked = TOPRTrainer(model_path, args=args("masked"), train_dataset=Dataset.from_json(masked_data_path(data_path)))
+    result["masked_behavior"] = list(masked.train_dataset["behavior_logps"])
+    del masked
 
     trainer = TOPRTrainer(
         model_path, args=args("train"), train_dataset=Dataset.from_json(data_path), peft_config=peft_config

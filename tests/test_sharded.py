@@ -60,11 +60,29 @@ def models(tmp_path_factory):
     return build_tiny_model(str(folder / "model")), build_tiny_model(str(folder / "other"), seed=1)
 
 
+def masked_data(model_path: str) -> Dataset:
+    """The text rows as token ids, each completion's middle third masked as a tool's result (`tool_mask` 0)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    rows = []
+    for row in data():
+        completion = tokenizer(row["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        third = len(completion) // 3
+        mask = [1] * third + [0] * third + [1] * (len(completion) - 2 * third)
+        prompt = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+        rows.append({**row, "prompt_ids": prompt, "completion_ids": completion, "tool_mask": mask})
+    return Dataset.from_list(rows)
+
+
 @pytest.fixture(scope="module")
 def single_process(models, tmp_path_factory):
     """The reference: one process, the same global batch of 4."""
     folder = tmp_path_factory.mktemp("single")
     data().to_json(str(folder / "data.jsonl"))
+    masked = TOPRTrainer(models[0], args=make_args(folder / "masked"), train_dataset=masked_data(models[0]))
+    masked_behavior = list(masked.train_dataset["behavior_logps"])
+    assert all(len(v) == sum(m) for v, m in zip(masked_behavior, masked_data(models[0])["tool_mask"]))
     trainer = TOPRTrainer(
         models[0],
         args=make_args(folder / "out", max_steps=6, per_device_train_batch_size=4, learning_rate=1e-2),
@@ -72,11 +90,13 @@ def single_process(models, tmp_path_factory):
     )
     behavior = list(trainer.train_dataset["behavior_logps"])
     trainer.train()
-    return {"behavior": behavior, "weights": {k: v.clone() for k, v in trainer.model.state_dict().items()}}
+    weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    return {"behavior": behavior, "masked_behavior": masked_behavior, "weights": weights}
 
 
 def launch(engine: str, models, folder: Path, lora: bool = False, padding_free: bool = False) -> dict:
     data().to_json(str(folder / "data.jsonl"))
+    masked_data(models[0]).to_json(str(folder / "masked.jsonl"))
     command = [
         sys.executable,
         "-m",
@@ -109,6 +129,7 @@ def check_common(result, single, folder):
     assert result["world"] == 2
     # the same behavior log-probs as one process, and not the other model's (a cache keyed by empty shards would)
     assert_close_lists(result["behavior"], single["behavior"], 1e-4)
+    assert_close_lists(result["masked_behavior"], single["masked_behavior"], 1e-4)  # tool-masked rows too
     assert max(abs(a - b) for a, b in zip(result["other_behavior"][0], result["behavior"][0])) > 1e-3
     # evaluate() of a raw dataset after training uses the trained weights: every ratio starts at 1
     for name in ("eval_log_ratio_mean", "eval_log_ratio_min", "eval_log_ratio_max"):

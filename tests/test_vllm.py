@@ -474,3 +474,34 @@ def test_vllm_samples_with_tools_what_transformers_samples(tool_policy, tmp_path
         # vLLM's log-probs of the generated tokens only, and the trainer's over the same tokens
         assert len(row["sampler_logps"]) == len(row["behavior_logps"]) == sum(row["tool_mask"])
         assert abs(sum(row["sampler_logps"]) - sum(row["behavior_logps"])) < MU_TOLERANCE
+
+
+def test_loop_with_tools_samples_and_replays_trajectories_with_vllm(tool_policy, tmp_path):
+    # The loop with tools on vLLM: two rounds of the tiny tool policy's trajectories, each round's from the last
+    # round's weights, the second replaying the first's rows with their tool mask; vLLM's log-probs cover the policy's
+    # tokens only, and the evaluation counts the calls
+    def answered(prompts, completions, **kwargs):
+        return [1.0 if "56" in c[-1]["content"] else -1.0 for c in completions]
+
+    output_dir = tmp_path / "loop"
+    loop = vllm_for(
+        num_rounds=2, replay_rounds=1, num_generations=2, max_completion_length=200, vllm_max_model_length=2048
+    )
+    prompts = Dataset.from_dict({"prompt": [TOOL_PROMPT] * 2})
+    rounds = run_topr_loop(
+        tool_policy,
+        prompts,
+        answered,
+        loop,
+        args_for(output_dir, max_steps=-1, per_device_train_batch_size=2, learning_rate=1e-5),
+        eval_prompts=prompts.select([0]),
+        correct_func=answered,
+        answer_func=lambda text: "56" if "56" in text else None,
+        tools=[multiply],
+    )
+    assert [r["round"] for r in rounds] == [0, 1, 2] and rounds[2]["num_train_rows"] == 8
+    assert rounds[2]["tools/call_frequency"] > 0 and rounds[0]["tool_call_rate_greedy"] == 1.0
+    samples = Dataset.from_json(str(output_dir / "round-2" / "samples.jsonl"))
+    for row in samples:
+        assert len(row["sampler_logps"]) == len(row["behavior_logps"]) == sum(row["tool_mask"])
+        assert abs(sum(row["sampler_logps"]) - sum(row["behavior_logps"])) < MU_TOLERANCE
