@@ -873,6 +873,31 @@ def verifier_tables() -> str:
     return "\n".join(lines)
 
 
+# The fast scale's paired comparisons (first, second[, rate of the first, rate of the second]): the questions of
+# docs/benchmarks.md, in its order
+FAST_PAIRS = [
+    ("topr_peff0.8+replay", "positives_only+replay"),
+    ("topr_peff0.8+replay", "positives_only"),
+    ("topr_peff0.8", "positives_only"),
+    ("topr+replay", "positives_only+replay"),
+    ("grpo", "positives_only"),
+    ("topr_peff0.8", "topr"),
+    ("topr_peff0.8+replay", "topr+replay"),
+    ("topr+replay", "topr"),
+    ("topr_peff0.5+replay", "topr_peff0.5"),
+    ("topr_peff0.8+replay", "topr_peff0.8"),
+    ("positives_only+replay", "positives_only"),
+    ("reinforce+replay", "reinforce"),
+    ("positives_only", "positives_only", 3e-4, 1e-3),
+    ("topr_peff0.8+replay", "positives_only", 3e-4, 3e-4),
+]
+# the ones the prose quotes, by name
+FAST_DIFFERENCES = {
+    "q1": (FAST_PAIRS[0], ("area", "last")),
+    "peff": (FAST_PAIRS[5], ("area",)),
+    "peff_replay": (FAST_PAIRS[6], ("area",)),
+    "rate": (FAST_PAIRS[12], ("area", "last")),
+}
 BEFORE = "iterative-easy-before-replay"  # the real scale as first run: on-policy rounds, the earlier protocol
 ON_POLICY_ARMS = [m for m in ARMS if not ARMS[m].replay]  # the iterative benchmark's arms
 REPLAY_ARMS = [m for m in ARMS if ARMS[m].replay]
@@ -930,6 +955,7 @@ QUOTES: dict[str, tuple] = {
     "learning-fast.dataset": (dataset, "learning-fast-lr1e-4"),
     # iterative, fast scale
     "iterative-fast.table": (iterative_table, "iterative-fast"),
+    "iterative-fast.curves": (iterative_curves, "iterative-fast"),
     "iterative-fast.sweeps": (iterative_sweeps, "iterative-fast"),
     "iterative-fast.diagnosis": (iterative_diagnosis, "iterative-fast", {1, 4, 8}, {*ON_POLICY_ARMS, "topr+replay"}),
     "iterative-fast.replay": (iterative_replay, "iterative-fast"),
@@ -944,14 +970,58 @@ QUOTES: dict[str, tuple] = {
     "iterative-fast.efficiency": (table, "iterative-fast", "efficiency.md"),
     "iterative-fast.areas": (iterative_areas, "iterative-fast"),
     "iterative-fast.rates": (iterative_rates, "iterative-fast", REPLAY_ARMS, [2, 4, 8]),
+    "iterative-fast.paired": (iterative_paired, "iterative-fast", FAST_PAIRS),
     **{
-        f"iterative-fast.area.{method}": (iterative_area, "iterative-fast", method)
-        for method in ("topr", "topr_peff0.8", "positives_only", "grpo")
-        + ("topr+replay", "topr_peff0.5+replay", "topr_peff0.8+replay", "positives_only+replay")
+        f"iterative-fast.difference.{name}.{which}": (
+            iterative_difference,
+            "iterative-fast",
+            *pair[:2],
+            which,
+            *pair[2:],
+        )
+        for name, (pair, whiches) in FAST_DIFFERENCES.items()
+        for which in whiches
     },
+    **{
+        f"iterative-fast.plateau.{method}{'_' + rate_text(lr) if lr else ''}": (
+            iterative_unsolved,
+            "iterative-fast",
+            method,
+            lr,
+        )
+        for method, lr in (
+            ("positives_only", None),
+            ("positives_only+replay", None),
+            ("topr_peff0.8+replay", None),
+            ("positives_only", 3e-4),
+        )
+    },
+    "iterative-fast.rate_curves": (
+        iterative_rate_curves,
+        "iterative-fast",
+        [
+            ("positives_only", 3e-4),
+            ("positives_only", 1e-3),
+            ("positives_only+replay", 3e-4),
+            ("topr_peff0.8+replay", 3e-4),
+        ],
+    ),
+    "iterative-fast.importance": (
+        iterative_importance,
+        "iterative-fast",
+        ["reinforce+replay", "tis+replay", "topr+replay"],
+        1e-5,
+        list(range(1, 9)),
+    ),
+    "iterative-fast.importance_1e-4": (
+        iterative_importance,
+        "iterative-fast",
+        ["reinforce+replay", "tis+replay", "topr+replay"],
+        1e-4,
+        list(range(1, 9)),
+    ),
     "iterative-fast.commit": (commit, "iterative-fast"),
     "iterative-fast.machine": (machine, "iterative-fast"),
-    "iterative-fast.seeds": (iterative_seeds, "iterative-fast"),
     "iterative-fast.start": (iterative_start, "iterative-fast", "pass@1"),
     # iterative, the real scale (finished) and the easy task (stopped)
     "iterative-easy.progress": (iterative_progress, "iterative-easy"),
@@ -985,6 +1055,12 @@ QUOTES: dict[str, tuple] = {
         "iterative-real",
         "positives_only+replay",
         "topr_peff0.8+replay",
+    ),
+    "iterative-real.seed_differences.peff": (
+        iterative_seed_differences,
+        "iterative-real",
+        "topr_peff0.8+replay",
+        "topr+replay",
     ),
     # the real scale's on-policy rows, recorded before the replay arms and the protocol's fixes
     f"{BEFORE}.start": (iterative_start, BEFORE, "pass@1"),

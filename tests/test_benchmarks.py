@@ -269,7 +269,8 @@ def test_iterative_benchmark_resumes_and_gives_every_method_the_same_budget(caps
         (method, age) for method in arms.ARMS if arms.ARMS[method].replay for age in "01"
     }
     sweep_rows = (tmp_path / "out" / "sweep.md").read_text().split("\n\n")[1].splitlines()[2:]
-    assert [row.split("|")[1].strip() for row in sweep_rows] == list(arms.ARMS)  # one rate each in --quick
+    swept = [row.split("|")[1].strip() for row in sweep_rows]  # one rate each in --quick, and the extra rate
+    assert list(dict.fromkeys(swept)) == list(arms.ARMS) and swept.count("positives_only") == 2
 
     # --report_only: the ledger's runs again, nothing trained (a method without a ledger is left out)
     (ledger / "grpo.jsonl").unlink()

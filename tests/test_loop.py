@@ -474,3 +474,20 @@ def test_a_new_engine_is_one_registry_entry(tiny_model_path, tmp_path, monkeypat
         sampling=SamplingSettings(num_samples=2, max_new_tokens=4),
     )
     assert len(data) == 6 and made == [args.bf16, 3]  # built for the training's precision, then it generated
+
+
+def test_the_loop_trains_topr_with_the_target_fraction_08_unless_a_baseline_is_set(tiny_model_path, tmp_path):
+    # The loop's default for TOPR (docs/benchmarks.md, "What to set"): each round's baseline for p_eff = 0.8; the
+    # paper's baseline 0 one flag away; another loss keeps baseline 0
+    def mixed(prompts, completions, **kwargs):
+        return [1.0 if i % 4 == 0 else -1.0 for i in range(len(completions))]
+
+    loop_args = TOPRLoopConfig(num_generations=2, max_completion_length=4)
+    for name, options, p_eff in (
+        ("default", {}, 0.8),
+        ("paper", {"baseline": 0.0}, 0.25),
+        ("positives_only", {"loss_type": "positives_only"}, 0.25),  # baseline 0: its rewards as they are
+    ):
+        args = make_args(tmp_path / name, per_device_train_batch_size=4, max_steps=-1, **options)
+        rounds = run_topr_loop(tiny_model_path, prompts(4), mixed, loop_args, args)
+        assert rounds[1]["effective_positive_fraction"] == pytest.approx(p_eff), name

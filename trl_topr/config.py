@@ -118,7 +118,9 @@ class TOPRConfig(ActivationCheckpointingName, SFTConfig):
             batch, the paper), `"token_mean"` (divided by the batch's number of completion tokens) or `"sum"` (summed
             over each sequence's tokens, averaged over the batch).
         baseline (`float`, *optional*):
-            Baseline `c` subtracted from the rewards. Defaults to `0.0`. Mutually exclusive with
+            Baseline `c` subtracted from the rewards. Defaults to `0.0` (the paper's setting) for [`TOPRTrainer`]; in
+            [`run_topr_loop`], where neither this nor `target_positive_fraction` is set, TOPR's rounds train with
+            `target_positive_fraction=0.8`, and `baseline=0.0` is the paper's setting. Mutually exclusive with
             `target_positive_fraction`.
         target_positive_fraction (`float`, *optional*):
             Target effective positive fraction p_eff in (0, 1): the baseline is derived from the training set's
@@ -232,8 +234,9 @@ class TOPRConfig(ActivationCheckpointingName, SFTConfig):
     baseline: float | None = field(
         default=None,
         metadata={
-            "help": "Baseline c subtracted from the rewards. Defaults to 0.0. Exclusive with "
-            "`target_positive_fraction`."
+            "help": "Baseline c subtracted from the rewards. Defaults to 0.0 (the paper's) for the trainer; the loop "
+            "and the recipes, where neither this nor `target_positive_fraction` is set, train TOPR with "
+            "target_positive_fraction 0.8 (`--baseline 0` for the paper's). Exclusive with `target_positive_fraction`."
         },
     )
     target_positive_fraction: float | None = field(
