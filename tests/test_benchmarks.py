@@ -132,6 +132,16 @@ def test_sampling_benchmark_prints_ratio_table(capsys, tmp_path):
     assert set(results["tokens_per_s"]) == {"sampler", "generate", "precompute", "forward", "fused"}
 
 
+def test_tool_turns_benchmark_prints_both_engines_and_their_ratio(capsys, tmp_path):
+    table = load("tool_turns").main(["--quick", "--reps", "1", "--out", str(tmp_path)])
+    assert table in capsys.readouterr().out
+    header, _rule, seconds, *rest = table.splitlines()
+    assert "ratio B / A" in header and float(seconds.split("|")[4]) > 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert set(results["median_seconds"]) == {"kept", "recomputed"} and results["greedy_same"] is True
+    check_provenance(tmp_path, f"python benchmarks/tool_turns.py --quick --reps 1 --out {tmp_path}")
+
+
 def test_precision_benchmark_prints_both_precisions_and_the_choice(capsys, tmp_path):
     table = load("precision").main(["--quick", "--reps", "1", "--out", str(tmp_path)])
     assert table in capsys.readouterr().out

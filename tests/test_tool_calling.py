@@ -245,3 +245,34 @@ def test_the_rollout_agrees_with_trls_grpo_tool_loop(tool_policy, tmp_path):
     assert trl_ids == ours.completion_ids
     assert trl_mask == ours.tool_mask
     assert all(0 in mask for mask in ours.tool_mask)  # a tool's result was appended and left untrained
+
+
+def test_the_next_turn_reuses_the_key_values_of_the_turn_before(tool_policy):
+    # The transformers engine keeps a turn's key/values: the turn after the tool's result computes only the result,
+    # the template's text around it and what it generates, and says what the engine computing everything says
+    from trl_topr.generation import TransformersEngine, prompt_ids
+    from trl_topr.rollout import prepare_tool_calling, rollout
+
+    model, tokenizer = load(tool_policy)
+    prepare_tool_calling(tokenizer, [multiply], [PROMPT])
+    ids = [prompt_ids(tokenizer, PROMPT, [multiply])] * 2
+    prefills = []  # the width of each forward that reads more than one new token: a turn's first
+
+    def record(module, args, kwargs):
+        width = kwargs["input_ids"].size(1) if kwargs.get("input_ids") is not None else 0
+        if width > 1:
+            prefills.append(width)
+
+    hook = model.model.register_forward_pre_hook(record, with_kwargs=True)
+    runs = {}
+    for turn_cache in (False, True):
+        engine = TransformersEngine(model, tokenizer, bf16=False, turn_cache=turn_cache)
+        start = len(prefills)
+        runs[turn_cache] = rollout(engine, tokenizer, [PROMPT] * 2, ids, GREEDY, [multiply], 3), prefills[start:]
+    hook.remove()
+    (whole, whole_prefills), (cached, cached_prefills) = runs[False], runs[True]
+    assert cached.completion_ids == whole.completion_ids and cached.tool_mask == whole.tool_mask
+    assert all(0 in mask for mask in cached.tool_mask)  # a second turn, after the tool's result
+    assert len(cached_prefills) == len(whole_prefills) == 2  # the first turn, and the turn after the result
+    assert cached_prefills[0] == whole_prefills[0] == len(ids[0])
+    assert cached_prefills[1] < whole_prefills[1] - len(ids[0])  # the prompt and the first turn were not computed

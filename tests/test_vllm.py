@@ -465,6 +465,8 @@ def test_vllm_samples_with_tools_what_transformers_samples(tool_policy, tmp_path
             tools=[multiply],
             progress=False,
         )
+        # a turn after the tool's result reads its trajectory so far from vLLM's prefix cache, on by default
+        assert engine.vllm_generation.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
     finally:
         engine.close()
     expected = trajectory_ids(tokenizer, TOOL_PROMPT, TOOL_TRAJECTORY, [multiply])

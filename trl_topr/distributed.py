@@ -17,10 +17,11 @@ keep outside the trainer would otherwise outlive it).
 import contextlib
 import hashlib
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from accelerate import PartialState
-from accelerate.utils import gather_object
+from accelerate.utils import broadcast_object_list, gather_object
 from torch.distributed.tensor import DTensor
 
 
@@ -223,6 +224,35 @@ def map_across_processes(items: Sequence, work: Callable[[list, int], list]) -> 
     if len(results) != size:
         raise ValueError(f"`work` returned {len(results)} results for {size} items.")
     return gather_object(results)[: len(items)]
+
+
+def on_main_process(work: Callable[[], Any]) -> Any:
+    """
+    Run `work` once, on the main process, and give every process its result: for what must happen once whatever the
+    number of processes (a tool call, an environment's step), so that every process goes on from the same outcome.
+
+    Args:
+        work (`Callable[[], Any]`):
+            Called with no argument on the main process only; its result must be picklable.
+
+    Returns:
+        `Any`: the result, the same on every process.
+
+    Example:
+    ```python
+    >>> from trl_topr.distributed import on_main_process
+
+    >>> on_main_process(lambda: [1, 2])
+    [1, 2]
+
+    ```
+    """
+    state, results = PartialState(), [None]
+    if state.is_main_process:
+        results = [work()]
+    if state.num_processes > 1:
+        broadcast_object_list(results, from_process=0)
+    return results[0]
 
 
 def release_trainer(trainer) -> None:

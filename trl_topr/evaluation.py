@@ -7,9 +7,10 @@ from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .data import PROMPT, completion_text
-from .generation import GenerationEngine, SamplingSettings, TransformersEngine, prompt_ids
-from .rollout import prepare_tool_calling, rollout
-from .sampling import score_completions
+from .environments import EnvironmentFactory, Environments, as_environments
+from .generation import GenerationEngine, SamplingSettings, TransformersEngine
+from .rollout import Trajectories, prepare_tool_calling, rollout
+from .sampling import ENVIRONMENTS, checked_prompt_ids, score_completions
 
 
 def evaluate_policy(
@@ -25,6 +26,7 @@ def evaluate_policy(
     bf16: bool | None = None,
     tools: list[Callable] | None = None,
     max_tool_calling_iterations: int | None = None,
+    environment_factory: EnvironmentFactory | Environments | None = None,
     return_per_prompt: bool = False,
 ) -> dict[str, float] | tuple[dict[str, float], list[dict[str, int]]]:
     """
@@ -60,6 +62,9 @@ def evaluate_policy(
             a trajectory ([`~trl_topr.rollout.rollout`]).
         max_tool_calling_iterations (`int`, *optional*):
             The most rounds of tool calls of a trajectory; `None` for no limit but the length.
+        environment_factory (`Callable` or `dict[str, Callable]`, *optional*):
+            TRL GRPO's environments, as in [`~trl_topr.sample_completions`]: each trajectory, greedy or sampled, gets
+            an instance reset with its row; `correct_func` gets them as `environments`.
         return_per_prompt (`bool`, *optional*, defaults to `False`):
             Also return each prompt's outcome, in the dataset's order: `{"greedy_correct": 0 or 1, "correct": the
             number of its k samples that are correct, "invalid": the number without a final answer}`. Paired
@@ -79,35 +84,41 @@ def evaluate_policy(
         if model is None:
             raise ValueError("`evaluate_policy` needs a `model` or an `engine` holding it.")
         engine = TransformersEngine(model, processing_class, bf16=bf16)
-    prompts = list(dataset[PROMPT])
-    columns = {c: list(dataset[c]) for c in dataset.column_names if c != PROMPT}
-    if tools:
-        prepare_tool_calling(processing_class, tools, prompts)
-    ids = [prompt_ids(processing_class, p, tools) for p in prompts]
     k = settings.num_samples
+    environments = as_environments(environment_factory, tools)
 
-    def correctness(completions, repeats):
-        repeated = {c: [v for v in values for _ in range(repeats)] for c, values in columns.items()}
+    def run(sampling: SamplingSettings) -> tuple[Trajectories, list[bool]]:
+        # the trajectories, and whether each is correct
+        rows, own_tools, instances = dataset, tools, None
+        if environments is not None:  # one row per trajectory, with its environment
+            rows, own_tools, instances = environments.expand(dataset, sampling.num_samples)
+        prompts = list(rows[PROMPT])
+        prepare_tool_calling(processing_class, own_tools, prompts)
+        ids = checked_prompt_ids(processing_class, prompts, None, tools=own_tools)
+        if environments is not None:
+            sampling = sampling.replace(num_samples=1)
+        out = rollout(
+            engine, processing_class, prompts, ids, sampling, own_tools, max_tool_calling_iterations, progress
+        )
+        repeats = sampling.num_samples
+        repeated = {c: [v for v in rows[c] for _ in range(repeats)] for c in rows.column_names if c != PROMPT}
+        repeated |= {ENVIRONMENTS: instances} if instances is not None else {}
         prompt_list = [p for p in prompts for _ in range(repeats)]
-        _, per_func = score_completions(prompt_list, completions, {"correct": correct_func}, **repeated)
-        return [value > 0 for value in per_func["correct"]]
+        _, per_func = score_completions(prompt_list, out.completions, {"correct": correct_func}, **repeated)
+        return out, [value > 0 for value in per_func["correct"]]
 
-    greedy_run, sampled_run = (
-        rollout(engine, processing_class, prompts, ids, s, tools, max_tool_calling_iterations, progress)
-        for s in (settings.greedy(), settings)
-    )
+    (greedy_run, greedy_correct), (sampled_run, sampled_correct) = run(settings.greedy()), run(settings)
     greedy, sampled, sampled_ids = greedy_run.completions, sampled_run.completions, sampled_run.completion_ids
     tool_metrics = {}
-    if tools:
+    if tools or environments is not None:
         tool_metrics = {
             "tool_call_rate": _mean(sampled_run.tool_calls),
             "tool_call_rate_greedy": _mean(greedy_run.tool_calls),
             "tool_failure_rate": _mean(sampled_run.tool_failures),
         }
-    greedy_correct, sampled_correct = correctness(greedy, 1), correctness(sampled, k)
     sampled_answers = [answer_func(completion_text(c)) for c in sampled]
 
-    majority_correct = [_majority_correct(sampled_answers, sampled_correct, i, k) for i in range(len(prompts))]
+    majority_correct = [_majority_correct(sampled_answers, sampled_correct, i, k) for i in range(len(dataset))]
     metrics = {
         "pass@1_greedy": _mean(greedy_correct),
         "pass@1": _mean(sampled_correct),
@@ -128,7 +139,7 @@ def evaluate_policy(
             "correct": sum(sampled_correct[i * k : (i + 1) * k]),
             "invalid": sum(answer is None for answer in sampled_answers[i * k : (i + 1) * k]),
         }
-        for i in range(len(prompts))
+        for i in range(len(dataset))
     ]
     return metrics, per_prompt
 

@@ -26,6 +26,7 @@ from .baseline import effective_positive_fraction
 from .config import TOPRConfig
 from .data import PROMPT, REWARD, check_prompts
 from .distributed import check_saves_whole_weights, release_trainer, unsharded_loading
+from .environments import EnvironmentFactory, as_environments
 from .evaluation import evaluate_policy
 from .generation import GenerationEngine, generation_engine
 from .loop_config import TOPRLoopConfig
@@ -161,6 +162,7 @@ def run_topr_loop(
     engine: GenerationEngine | None = None,
     callbacks: list[LoopCallback] | None = None,
     tools: list[Callable] | None = None,
+    environment_factory: EnvironmentFactory | None = None,
 ) -> list[dict[str, Any]]:
     """
     Iterative TOPR, as in the paper: each round samples with the current model (mu = that model), scores, curates,
@@ -223,6 +225,12 @@ def run_topr_loop(
             trajectory. Only the tokens the policy generated are trained (the trajectories' `tool_mask`, kept by
             replay); each round records `tools/call_frequency` and `tools/failure_frequency` (calls and failed calls
             per sample), and the evaluation its `tool_call_rate`.
+        environment_factory (`Callable` or `dict[str, Callable]`, *optional*):
+            TRL GRPO's environments, for sampling and evaluation alike (see
+            [`~trl_topr.environments.Environments`]): each trajectory gets an instance, reset with its row, whose
+            methods it may call as tools (beside `tools`); an environment's `get_reward` scores its trajectories as
+            one more reward function, weight 1, and reward functions (`correct_func` too) get the instances as
+            `environments`. Instances are made once and reset for each trajectory, over all the rounds.
 
     Returns:
         `list[dict[str, Any]]`: the metrics of every completed round, round 0 included.
@@ -243,14 +251,17 @@ def run_topr_loop(
     """
     loop_args = loop_args if loop_args is not None else TOPRLoopConfig()
     _check_arguments(model, loop_args, train_args, engine, correct_func=correct_func, answer_func=answer_func)
-    _check_prompts_and_rewards(train_prompts, eval_prompts, reward_funcs, loop_args, correct_func, answer_func)
+    environments = as_environments(environment_factory, tools)
+    _check_prompts_and_rewards(
+        train_prompts, eval_prompts, reward_funcs, loop_args, correct_func, answer_func, environments
+    )
     curate = curation_function(loop_args.curation)
     processing_class = processing_class or AutoTokenizer.from_pretrained(model)
-    _prepare_prompts(processing_class, train_prompts, eval_prompts, train_args.max_length, tools)
+    _prepare_prompts(processing_class, train_prompts, eval_prompts, train_args.max_length, tools, environments)
     models = _RoundModels(model, train_args, processing_class, peft_config, quantization_config)
     log = _RoundLog(train_args.output_dir, callbacks or [])
     log.check_resumable(loop_args.num_rounds, loop_args.replay_rounds)  # before anything is written
-    generation = _RoundGeneration(loop_args, train_args, processing_class, engine, tools)
+    generation = _RoundGeneration(loop_args, train_args, processing_class, engine, tools, environments)
     evaluation = dict(eval_prompts=eval_prompts, correct_func=correct_func, answer_func=answer_func, log=log)
     try:
         if not log.rounds:
@@ -290,22 +301,30 @@ def run_topr_loop(
     return read_rounds(str(log.output_dir))
 
 
-def _prepare_prompts(processing_class, train_prompts, eval_prompts, max_length, tools) -> None:
-    # Once per loop, before anything is generated: the tools' template and parser, and every training prompt leaving
-    # room for a completion
-    if tools:
-        for prompts in [train_prompts, *_named(eval_prompts).values()]:
-            prepare_tool_calling(processing_class, tools, list(prompts[PROMPT]))
-    checked_prompt_ids(processing_class, list(train_prompts[PROMPT]), max_length, "train prompts", tools)
+def _prepare_prompts(processing_class, train_prompts, eval_prompts, max_length, tools, environments) -> None:
+    # Once per loop, before anything is generated: the tools' template and parser (each environment's), and every
+    # training prompt leaving room for a completion (before its environment's reset adds to it)
+    def tools_of(prompts: Dataset):
+        return tools if environments is None else [environments.tools(n) for n in environments.names(prompts)]
+
+    for prompts in [train_prompts, *_named(eval_prompts).values()]:
+        prepare_tool_calling(processing_class, tools_of(prompts), list(prompts[PROMPT]))
+    checked_prompt_ids(
+        processing_class, list(train_prompts[PROMPT]), max_length, "train prompts", tools_of(train_prompts)
+    )
 
 
 class _RoundGeneration:
     # What the rounds generate with: one engine, started when first needed (or the caller's), each round's sampling
     # and the evaluations, as the loop's configuration asks
-    def __init__(self, loop_args, train_args, processing_class, engine, tools):
+    def __init__(self, loop_args, train_args, processing_class, engine, tools, environments):
         self.loop_args, self.train_args, self.processing_class = loop_args, train_args, processing_class
         self.engine, self.owned, self.progress = engine, engine is None, not train_args.disable_tqdm
-        self.options = {"tools": tools, "max_tool_calling_iterations": loop_args.max_tool_calling_iterations}
+        self.options = {
+            "tools": tools,
+            "max_tool_calling_iterations": loop_args.max_tool_calling_iterations,
+            "environment_factory": environments,
+        }
 
     def start(self, policy) -> GenerationEngine:
         if self.engine is None:
@@ -446,10 +465,12 @@ def _check_arguments(model, loop_args, train_args, engine, **callables) -> None:
     curation_function(loop_args.curation)  # a name that resolves to no function fails here
 
 
-def _check_prompts_and_rewards(train_prompts, eval_prompts, reward_funcs, loop_args, correct_func, answer_func):
+def _check_prompts_and_rewards(
+    train_prompts, eval_prompts, reward_funcs, loop_args, correct_func, answer_func, environments
+):
     # The prompts and what scores their completions, before anything is generated
     check_prompts(train_prompts, "train prompts")
-    reward_functions(reward_funcs, loop_args.reward_weights)
+    reward_functions(reward_funcs, loop_args.reward_weights, environments)
     if loop_args.prompts_per_round is not None and loop_args.prompts_per_round > len(train_prompts):
         raise ValueError(
             f"`prompts_per_round` ({loop_args.prompts_per_round}) is more than the {len(train_prompts)} train "

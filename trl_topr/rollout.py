@@ -11,11 +11,10 @@ import time
 import weakref
 from collections.abc import Callable
 
-from accelerate import PartialState
-from accelerate.utils import broadcast_object_list
 from transformers import PreTrainedTokenizerBase
 from trl.chat_template_utils import add_response_schema, parse_response, supports_tool_calling
 
+from .distributed import on_main_process
 from .generation import GenerationEngine, Generations, SamplingSettings, text_tokenizer
 from .trajectories import TrajectoryError, tool_suffix_ids
 
@@ -54,7 +53,9 @@ class Trajectories:
     tokens_per_s: float
 
 
-def prepare_tool_calling(processing_class: PreTrainedTokenizerBase, tools: list[Callable], prompts: list) -> None:
+def prepare_tool_calling(
+    processing_class: PreTrainedTokenizerBase, tools: list[Callable] | list[list[Callable]] | None, prompts: list
+) -> None:
     """
     Check that the chat template can show tools and their results, and give the tokenizer TRL's response parser for
     its template when it has none ([`~trl.chat_template_utils.add_response_schema`]), as TRL's GRPO trainer does.
@@ -62,9 +63,10 @@ def prepare_tool_calling(processing_class: PreTrainedTokenizerBase, tools: list[
     Args:
         processing_class ([`~transformers.PreTrainedTokenizerBase`]):
             The tokenizer.
-        tools (`list[Callable]`):
+        tools (`list[Callable]` or `list[list[Callable]]`, *optional*):
             The tools: functions with type hints and a docstring describing their arguments (what
-            `apply_chat_template` turns into their schemas).
+            `apply_chat_template` turns into their schemas); or one list per prompt (see [`rollout`]). `None` or none:
+            nothing to prepare.
         prompts (`list`):
             The prompts the policy will answer with the tools: lists of messages.
 
@@ -72,6 +74,12 @@ def prepare_tool_calling(processing_class: PreTrainedTokenizerBase, tools: list[
         `ValueError`: for text prompts, a template that cannot render a tool-calling conversation or that TRL knows
             no parser for, a tool that is not a function, or two tools of one name.
     """
+    if not tools:
+        return
+    if isinstance(tools[0], list):
+        for own in {tuple(t.__name__ for t in own): own for own in tools}.values():  # each set of tools once
+            prepare_tool_calling(processing_class, own, prompts)
+        return
     if not all(isinstance(prompt, list) for prompt in prompts):
         raise ValueError(
             "Sampling with `tools` needs conversational prompts (lists of messages): the chat template shows the "
@@ -168,7 +176,7 @@ def rollout(
     prompts: list,
     prompt_ids: list[list[int]],
     sampling: SamplingSettings,
-    tools: list[Callable] | None = None,
+    tools: list[Callable] | list[list[Callable]] | None = None,
     max_tool_calling_iterations: int | None = None,
     progress: bool = True,
 ) -> Trajectories:
@@ -194,8 +202,10 @@ def rollout(
             Their token ids (rendered with the tools).
         sampling ([`~trl_topr.generation.SamplingSettings`]):
             How to sample; later turns are sampled one per trajectory, with the same temperature, top-p and top-k.
-        tools (`list[Callable]`, *optional*):
-            The tools the policy may call; `None` (or none) for single-turn completions.
+        tools (`list[Callable]` or `list[list[Callable]]`, *optional*):
+            The tools the policy may call: one list for every prompt, or one list per prompt (the methods of each
+            trajectory's environment, see [`~trl_topr.environments.Environments`]); `None` (or none) for single-turn
+            completions.
         max_tool_calling_iterations (`int`, *optional*):
             The most rounds of tool calls; `None` for no limit but the length.
         progress (`bool`, *optional*, defaults to `True`):
@@ -204,20 +214,22 @@ def rollout(
     Returns:
         [`Trajectories`]: the trajectories.
     """
+    if tools:
+        with engine.turns():  # the turns after the first continue it: the engine may keep what spares them work
+            first = engine.generate(prompt_ids, sampling, progress)
+            return _tool_loop(
+                engine, processing_class, prompts, prompt_ids, sampling, tools, max_tool_calling_iterations, first
+            )
     first = engine.generate(prompt_ids, sampling, progress)
-    if not tools:
-        count = len(first.completion_ids)
-        return Trajectories(
-            completions=decode_completions(processing_class, prompts, first.completion_ids),
-            completion_ids=first.completion_ids,
-            tool_mask=None,
-            logprobs=first.logprobs,
-            tool_calls=[0] * count,
-            tool_failures=[0] * count,
-            tokens_per_s=first.tokens_per_s,
-        )
-    return _tool_loop(
-        engine, processing_class, prompts, prompt_ids, sampling, tools, max_tool_calling_iterations, first
+    count = len(first.completion_ids)
+    return Trajectories(
+        completions=decode_completions(processing_class, prompts, first.completion_ids),
+        completion_ids=first.completion_ids,
+        tool_mask=None,
+        logprobs=first.logprobs,
+        tool_calls=[0] * count,
+        tool_failures=[0] * count,
+        tokens_per_s=first.tokens_per_s,
     )
 
 
@@ -253,6 +265,7 @@ def _tool_loop(
 ) -> Trajectories:
     # The turns after the first, with tools in the loop (see `rollout`)
     tokenizer = text_tokenizer(processing_class)
+    per_prompt = tools if isinstance(tools[0], list) else [tools] * len(prompts)
     limit = sampling.max_new_tokens
     start, generated = time.perf_counter(), 0
     count = len(first.completion_ids)
@@ -262,7 +275,8 @@ def _tool_loop(
     mask = [[1] * len(c) for c in ids]
     logprobs = [list(values) for values in first.logprobs] if first.logprobs is not None else None
     generated += sum(map(len, ids))
-    messages = [[_parsed(tokenizer, ids[i], prompt_ids[owner[i]], tools)] for i in range(count)]
+    tools = [per_prompt[owner[i]] for i in range(count)]  # each trajectory's
+    messages = [[_parsed(tokenizer, ids[i], prompt_ids[owner[i]], tools[i])] for i in range(count)]
     calls, failures = [0] * count, [0] * count
     pending = [i for i in range(count) if messages[i][-1].get("tool_calls")]
     iteration = 0
@@ -270,13 +284,13 @@ def _tool_loop(
         iteration += 1
         going_on = []
         for i, (tool_messages, failed) in zip(
-            pending, _run_once([messages[i][-1]["tool_calls"] for i in pending], tools)
+            pending, _run_once([messages[i][-1]["tool_calls"] for i in pending], [tools[i] for i in pending])
         ):
             calls[i] += len(tool_messages)
             failures[i] += failed
             try:
                 suffix = tool_suffix_ids(
-                    processing_class, prompts[owner[i]], messages[i], tool_messages, tools, engine.eos_ids
+                    processing_class, prompts[owner[i]], messages[i], tool_messages, tools[i], engine.eos_ids
                 )
             except TrajectoryError as error:
                 raise ValueError(f"Sampling with tools: {error}") from error
@@ -303,7 +317,7 @@ def _tool_loop(
             generated += len(new)
             if logprobs is not None:
                 logprobs[i] += list(turns.logprobs[n][: len(new)]) if turns.logprobs is not None else [None] * len(new)
-            messages[i].append(_parsed(tokenizer, new, context, tools))
+            messages[i].append(_parsed(tokenizer, new, context, tools[i]))
             if messages[i][-1].get("tool_calls"):
                 pending.append(i)
     return Trajectories(
@@ -317,15 +331,11 @@ def _tool_loop(
     )
 
 
-def _run_once(turns_calls: list[list[dict]], tools: list[Callable]) -> list[tuple[list[dict], int]]:
-    # Each turn's calls, run once, on the main process; every process goes on with the same results
-    state, results = PartialState(), [None]
-    if state.is_main_process:
-        by_name = {tool.__name__: tool for tool in tools}
-        results = [[call_tools(calls, by_name) for calls in turns_calls]]
-    if state.num_processes > 1:
-        broadcast_object_list(results, from_process=0)
-    return results[0]
+def _run_once(turns_calls: list[list[dict]], tools: list[list[Callable]]) -> list[tuple[list[dict], int]]:
+    # Each turn's calls with its trajectory's tools, run once, on the main process; every process goes on with the
+    # same results
+    pairs = list(zip(turns_calls, tools, strict=True))
+    return on_main_process(lambda: [call_tools(calls, {t.__name__: t for t in own}) for calls, own in pairs])
 
 
 def _parsed(tokenizer, ids: list[int], context: list[int], tools: list[Callable]) -> dict:

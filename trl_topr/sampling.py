@@ -14,6 +14,7 @@ towards the model's own distribution, not the tempered or truncated one.
 import math
 from collections.abc import Callable
 
+from accelerate import PartialState
 from accelerate.logging import get_logger
 from datasets import Dataset
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -31,6 +32,8 @@ from .data import (
     TOPRDataError,
     check_prompts,
 )
+from .distributed import on_main_process
+from .environments import EnvironmentFactory, Environments, as_environments
 from .generation import (
     BEHAVIOR_LOGPS_SOURCES,
     GenerationEngine,
@@ -53,6 +56,7 @@ TOOL_COLUMNS = (TOOL_MASK, TOOL_CALL_COUNT, TOOL_FAILURE_COUNT)
 # `max_length` of a default training configuration: what prompts are checked against when no `args` is given
 DEFAULT_MAX_LENGTH = SFTConfig.__dataclass_fields__["max_length"].default
 REWARD_COLUMNS_PREFIX = "rewards/"
+ENVIRONMENTS = "environments"  # the argument that gives reward functions the trajectories' environments, as in TRL
 RewardFuncs = Callable | list[Callable] | dict[str, Callable]
 
 
@@ -79,7 +83,9 @@ def _describe(func: Callable) -> str:
 
 
 def reward_functions(
-    reward_funcs: RewardFuncs, reward_weights: list[float] | None = None
+    reward_funcs: RewardFuncs | None,
+    reward_weights: list[float] | None = None,
+    environments: Environments | None = None,
 ) -> tuple[dict[str, Callable], list[float]]:
     """
     The reward functions by name, with their weights, checked: what sampling and the loop check before they generate.
@@ -89,6 +95,9 @@ def reward_functions(
             Reward functions; a dict names them, otherwise each function's `__name__` does.
         reward_weights (`list[float]`, *optional*):
             Weight of each function, finite; defaults to 1 each.
+        environments ([`~trl_topr.environments.Environments`], *optional*):
+            Environments whose `get_reward` scores their trajectories: a function each, weight 1, after the others
+            (as TRL's GRPO trainer adds them); `reward_funcs` may then be empty.
 
     Returns:
         `tuple[dict[str, Callable], list[float]]`: the functions by name, and their weights.
@@ -100,6 +109,7 @@ def reward_functions(
     """
     if callable(reward_funcs):
         reward_funcs = [reward_funcs]
+    reward_funcs = reward_funcs if reward_funcs is not None else []
     if isinstance(reward_funcs, dict):
         named = dict(reward_funcs)
     else:
@@ -114,8 +124,18 @@ def reward_functions(
                     f"{{'{name}_{positions[name]}': ..., '{name}_{position}': ...}}."
                 )
             named[name], positions[name] = func, position
+    own = environments.reward_funcs() if environments is not None else {}
+    if reward_weights is not None and own:
+        reward_weights = [*reward_weights, *[1.0] * len(own)]
+    for name, func in own.items():
+        if name in named:
+            raise ValueError(f"A reward function and an environment's `get_reward` are both named {name!r}.")
+        named[name] = func
     if not named:
-        raise ValueError("No reward function was given: sampling needs at least one to score the completions.")
+        raise ValueError(
+            "No reward function was given: sampling needs at least one to score the completions (or an environment "
+            "with `get_reward`)."
+        )
     for name, func in named.items():
         if not callable(func):
             raise TypeError(
@@ -158,7 +178,9 @@ def score_completions(
         completion_ids (`list[list[int]]`, *optional*):
             Generated token ids, passed on as GRPO does.
         **columns:
-            Other dataset columns, one value per completion, passed to every function.
+            Other dataset columns, one value per completion, passed to every function; and `environments`, each
+            completion's environment (see [`~trl_topr.environments.Environments`]), with which the functions run
+            on the main process only, where the environments took their steps.
 
     Returns:
         `tuple[list[float], dict[str, list[float]]]`: the combined rewards (weighted sum, ignoring `None` as GRPO
@@ -174,16 +196,22 @@ def score_completions(
     ```
     """
     funcs, weights = reward_functions(reward_funcs, reward_weights)
-    per_func = {}
-    for name, func in funcs.items():
-        try:
-            values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-        except Exception as error:
-            raise RuntimeError(f"Reward function {name!r} raised {type(error).__name__}: {error}") from error
-        if values is None or len(values) != len(completions):
-            got = "None" if values is None else f"{len(values)} values"
-            raise ValueError(f"Reward function {name!r} returned {got} for {len(completions)} completions.")
-        per_func[name] = [math.nan if v is None else float(v) for v in values]
+
+    def each_function() -> dict[str, list[float]]:
+        per_func = {}
+        for name, func in funcs.items():
+            try:
+                values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+            except Exception as error:
+                raise RuntimeError(f"Reward function {name!r} raised {type(error).__name__}: {error}") from error
+            if values is None or len(values) != len(completions):
+                got = "None" if values is None else f"{len(values)} values"
+                raise ValueError(f"Reward function {name!r} returned {got} for {len(completions)} completions.")
+            per_func[name] = [math.nan if v is None else float(v) for v in values]
+        return per_func
+
+    # environments' state is on the main process, which took their steps: score there, once
+    per_func = on_main_process(each_function) if ENVIRONMENTS in columns else each_function()
     rewards = []
     for row in range(len(completions)):
         terms = [w * per_func[name][row] for name, w in zip(funcs, weights) if not math.isnan(per_func[name][row])]
@@ -263,8 +291,8 @@ def checked_prompt_ids(
             The training configuration's `max_length`; `None` checks nothing.
         dataset_name (`str`, *optional*, defaults to `"prompts"`):
             Name used in error messages.
-        tools (`list`, *optional*):
-            Tools the chat template shows the model.
+        tools (`list` or `list[list]`, *optional*):
+            Tools the chat template shows the model: for every prompt, or one list per prompt.
 
     Returns:
         `list[list[int]]`: the token ids of each prompt.
@@ -272,7 +300,8 @@ def checked_prompt_ids(
     Raises:
         [`TOPRDataError`]: naming the row of the first prompt that fills `max_length`.
     """
-    all_ids = [prompt_ids(processing_class, prompt, tools) for prompt in prompts]
+    per_prompt = tools if tools and isinstance(tools[0], list) else [tools] * len(prompts)
+    all_ids = [prompt_ids(processing_class, prompt, own) for prompt, own in zip(prompts, per_prompt, strict=True)]
     for row, ids in enumerate(all_ids):
         length = len(ids)
         if max_length is not None and length >= max_length:
@@ -297,6 +326,7 @@ def sample_completions(
     behavior_logps_source: str = "trainer",
     tools: list[Callable] | None = None,
     max_tool_calling_iterations: int | None = None,
+    environment_factory: EnvironmentFactory | Environments | None = None,
     progress: bool = True,
 ) -> Dataset:
     """
@@ -340,6 +370,12 @@ def sample_completions(
         max_tool_calling_iterations (`int`, *optional*):
             With `tools`, the most rounds of calls of a trajectory (TRL GRPO's option); `None`: no limit but the
             length.
+        environment_factory (`Callable` or `dict[str, Callable]`, *optional*):
+            TRL GRPO's environments (see [`~trl_topr.environments.Environments`]): each trajectory gets an instance,
+            reset with its row, whose methods are its tools (beside `tools`); its `prompt` is the prompt as `reset`
+            left it, reward functions get the instances as `environments`, and an environment's `get_reward` scores
+            its trajectories as one more reward function, named after its class (weight 1). An `Environments`
+            keeps its instances from call to call.
         progress (`bool`, *optional*, defaults to `True`):
             Show a progress bar over prompts.
 
@@ -376,13 +412,18 @@ def sample_completions(
             f"`behavior_logps_source` must be one of {BEHAVIOR_LOGPS_SOURCES}, got {behavior_logps_source!r}."
         )
     check_prompts(dataset)
-    reward_functions(reward_funcs, reward_weights)  # before anything is generated
+    environments = as_environments(environment_factory, tools)
+    reward_funcs, reward_weights = reward_functions(reward_funcs, reward_weights, environments)  # before generating
+    PartialState()  # the processes' state, which accelerate's logger reads
     if isinstance(model, str):
         model = create_model_from_path(model, **(getattr(args, "model_init_kwargs", None) or {}))
     processing_class = processing_class or AutoTokenizer.from_pretrained(model.config._name_or_path)
+    instances = None
+    if environments is not None:  # one row per trajectory, its prompt as its environment's reset left it
+        dataset, tools, instances = environments.expand(dataset, sampling.num_samples)
+        sampling = sampling.replace(num_samples=1)
     prompts = list(dataset[PROMPT])
-    if tools:
-        prepare_tool_calling(processing_class, tools, prompts)
+    prepare_tool_calling(processing_class, tools, prompts)
     max_length = args.max_length if args is not None else DEFAULT_MAX_LENGTH
     all_prompt_ids = checked_prompt_ids(processing_class, prompts, max_length, tools=tools)
     engine = engine or generation_engine(model, processing_class, train_args=args)
@@ -400,6 +441,7 @@ def sample_completions(
         reward_funcs,
         reward_weights,
         stored=[storable(c) for c in completions] if tools else None,  # tool call arguments as JSON text
+        environments=instances,
     )
     masks = out.tool_mask or [None] * len(samples)
     if tools:
@@ -425,7 +467,7 @@ def sample_completions(
 
 
 def _scored_samples(
-    samples, completions, completion_ids, row_prompt_ids, reward_funcs, reward_weights, stored=None
+    samples, completions, completion_ids, row_prompt_ids, reward_funcs, reward_weights, stored=None, environments=None
 ) -> Dataset:
     # One row per completion: the prompt's columns, the completion, its ids, its rewards (combined and per function).
     # Sampling's own columns in the prompts (a sampled dataset sampled again) are replaced, and not passed to the
@@ -437,6 +479,7 @@ def _scored_samples(
         or c.startswith(REWARD_COLUMNS_PREFIX)
     ]
     others = {c: list(samples[c]) for c in samples.column_names if c not in replaced}
+    others |= {ENVIRONMENTS: environments} if environments is not None else {}
     rewards, per_func = score_completions(
         list(samples[PROMPT]), completions, reward_funcs, reward_weights, completion_ids, **others
     )

@@ -1,18 +1,15 @@
 """The interface every generation engine implements, and what they share: the split of prompts across processes, the
 end-of-sequence cut (the token helpers are `trl_topr.tokens`')."""
 
+import contextlib
 import dataclasses
 import time
 
-from accelerate.logging import get_logger
 from transformers import PreTrainedTokenizerBase
 
 from ..distributed import map_across_processes
 from ..tokens import end_of_sequence_ids, padding_id, prompt_ids, text_tokenizer  # noqa: F401  (re-exported)
 from .settings import SamplingSettings
-
-
-logger = get_logger(__name__)
 
 
 @dataclasses.dataclass
@@ -124,13 +121,17 @@ class GenerationEngine:
         completion_ids, logprobs = [], []
         for ids, lps in per_prompt:
             for sample_ids, sample_lps in zip(ids * repeats, lps * repeats, strict=True):
-                # cut at the first end-of-sequence token (what follows is padding)
-                end = next((i + 1 for i, t in enumerate(sample_ids) if t in self.eos_ids), len(sample_ids))
+                end = len(self.cut(sample_ids))
                 completion_ids.append(list(sample_ids[:end]))
                 logprobs.append(None if sample_lps is None else list(sample_lps[:end]))
         tokens = sum(map(len, completion_ids))
         logprobs = None if any(lp is None for lp in logprobs) else logprobs
         return Generations(completion_ids, logprobs, tokens / max(time.perf_counter() - start, 1e-9))
+
+    def cut(self, ids: list[int]) -> list[int]:
+        """`ids` up to and including their first end-of-sequence token (what follows is padding), or all of them."""
+        end = next((i + 1 for i, t in enumerate(ids) if t in self.eos_ids), len(ids))
+        return list(ids[:end])
 
     def _generate_share(
         self, prompts: list[list[int]], settings: SamplingSettings, progress: bool
@@ -153,6 +154,15 @@ class GenerationEngine:
                 The DeepSpeed engine holding `model`, if any (see [`~trl_topr.distributed.full_weights`]).
         """
         raise NotImplementedError
+
+    @contextlib.contextmanager
+    def turns(self):
+        """
+        A block whose `generate` calls continue each other's sequences (a tool loop's turns: each call's sequences are
+        earlier ones, generated, with more tokens appended). An engine may keep what spares the next call work (the
+        transformers engine keeps the key/values), until the block ends; outside one it keeps nothing.
+        """
+        yield
 
     def release_weights(self) -> None:
         """

@@ -1,6 +1,7 @@
 """Generation with transformers' `model.generate`: batched, left-padded, each prompt's key/values computed once and
 shared by its samples, the weights whole under sharded training engines, in the inference precision."""
 
+import contextlib
 import inspect
 import os
 import time
@@ -10,6 +11,7 @@ import torch
 from accelerate import PartialState
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase, set_seed
+from transformers.cache_utils import DynamicLayer
 from trl.trainer.utils import create_model_from_path
 
 from ..distributed import full_weights, unsharded_loading
@@ -38,6 +40,72 @@ def _prompt_cache_inputs(model: PreTrainedModel, inputs: dict[str, torch.Tensor]
     )
     cache.batch_repeat_interleave(copies)
     return {**expanded, name: cache}
+
+
+class _TurnCache:
+    """
+    The key/values of the sequences a call generated, kept for the next call, whose sequences may continue them: a
+    tool loop's next turn is its trajectory so far, the tool's result and the template's text around it. A row of the
+    next call that starts with a kept sequence gets its key/values, and only the rest of its tokens are computed
+    (vLLM's prefix caching does the same on vLLM). Each call takes what the one before kept and keeps its own, so at
+    most one call's key/values are held. Only caches of plain layers (`DynamicLayer`: full attention, no sliding
+    window or state) are kept.
+    """
+
+    def __init__(self):
+        self.kept: list[tuple[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]]] = []
+
+    def take(self) -> list:
+        kept, self.kept = self.kept, []
+        return kept
+
+    def keep(self, cache, attention_mask: torch.Tensor, prompts: list[list[int]], completions: list[list[int]]):
+        # Row r holds its prompt's tokens where its attention mask is 1, then its completion; the key/values of the
+        # completion's last token were never computed (it was sampled last), so a row keeps its tokens but that one
+        if cache is None or not all(type(layer) is DynamicLayer for layer in cache.layers):
+            return
+        width = attention_mask.size(1)
+        for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+            generated = torch.arange(width, width + len(completion) - 1, device=attention_mask.device)
+            where = torch.cat([attention_mask[row].nonzero().squeeze(-1), generated])
+            layers = [(layer.keys[row][:, where], layer.values[row][:, where]) for layer in cache.layers]
+            self.kept.append((tuple(prompt + completion[:-1]), layers))
+
+    @staticmethod
+    def inputs(model, kept: list, rows: list[list[int]], pad_id: int) -> dict[str, Any] | None:
+        """`model.generate`'s inputs for `rows`, with the key/values of each row's longest kept prefix; `None` when
+        no row starts with a kept sequence."""
+        found = []
+        for row in rows:
+            prefixes = [
+                entry for entry in kept if len(entry[0]) < len(row) and tuple(row[: len(entry[0])]) == entry[0]
+            ]
+            found.append(max(prefixes, key=lambda entry: len(entry[0]), default=None))
+        if all(entry is None for entry in found):
+            return None
+        cached = [len(entry[0]) if entry is not None else 0 for entry in found]
+        width, rest = max(cached), max(len(row) - n for row, n in zip(rows, cached))
+        ids, mask = [], []
+        for row, n in zip(rows, cached):
+            gap_1, gap_2 = width - n, rest - (len(row) - n)
+            ids.append([pad_id] * gap_1 + row[:n] + [pad_id] * gap_2 + row[n:])
+            mask.append([0] * gap_1 + [1] * n + [0] * gap_2 + [1] * (len(row) - n))
+        example = next(entry for entry in found if entry is not None)[1]
+        layers = []
+        for index, (keys, values) in enumerate(example):
+            shape = (len(rows), keys.size(0), width, keys.size(-1))
+            all_keys, all_values = keys.new_zeros(shape), values.new_zeros(shape)
+            for row, (entry, n) in enumerate(zip(found, cached)):
+                if entry is not None:
+                    all_keys[row, :, width - n :] = entry[1][index][0]
+                    all_values[row, :, width - n :] = entry[1][index][1]
+            layers.append((all_keys, all_values))
+        device = model.device
+        return {
+            "input_ids": torch.tensor(ids, device=device),
+            "attention_mask": torch.tensor(mask, device=device),
+            _cache_argument(model): DynamicCache(ddp_cache_data=layers, config=model.config),
+        }
 
 
 def _cache_argument(model: PreTrainedModel) -> str:
@@ -71,6 +139,10 @@ class TransformersEngine(GenerationEngine):
             Generate under bf16 autocast. Defaults to the hardware (see [`~trl_topr.precision.bf16_is_faster`]).
         model_init_kwargs (`dict`, *optional*):
             Keyword arguments of `from_pretrained` for a folder given to `load_weights` without its model.
+        turn_cache (`bool`, *optional*, defaults to `True`):
+            Within [`~GenerationEngine.turns`] (a tool loop's turns), keep the key/values of a call's sequences for
+            the next call, so that a sequence that continues one computes only its new tokens. `False` computes every
+            sequence whole.
     """
 
     def __init__(
@@ -80,10 +152,12 @@ class TransformersEngine(GenerationEngine):
         *,
         bf16: bool | None = None,
         model_init_kwargs: dict | None = None,
+        turn_cache: bool = True,
     ):
         super().__init__(processing_class, end_of_sequence_ids(model, processing_class))
         self.model, self.training_engine, self.folder = model, None, model.name_or_path
         self.bf16, self.model_init_kwargs = bf16, dict(model_init_kwargs or {})
+        self.turn_cache, self.keeping = _TurnCache() if turn_cache else None, False
 
     @classmethod
     def from_config(
@@ -110,9 +184,22 @@ class TransformersEngine(GenerationEngine):
             model = load_whole_model(folder, self.model_init_kwargs)
         self.model, self.training_engine, self.folder = model, training_engine, folder
 
+    @contextlib.contextmanager
+    def turns(self):
+        """Keep each call's key/values for the next, until the block ends (see [`GenerationEngine.turns`])."""
+        self.keeping = self.turn_cache is not None
+        try:
+            yield
+        finally:
+            self.keeping = False
+            if self.turn_cache is not None:
+                self.turn_cache.take()
+
     def release_weights(self) -> None:
-        """Drop the reference to the model, until the next `load_weights`."""
+        """Drop the reference to the model, until the next `load_weights`, and the key/values kept for a next turn."""
         self.model, self.training_engine = None, None
+        if self.turn_cache is not None:
+            self.turn_cache.take()
 
     @torch.no_grad()
     def _generate_share(self, prompts, settings: SamplingSettings, progress):
@@ -126,24 +213,35 @@ class TransformersEngine(GenerationEngine):
         if settings.seed is not None:
             set_seed(settings.seed)
         sequences, start, was_training = [], time.perf_counter(), model.training
+        kept = self.turn_cache.take() if self.turn_cache is not None else []
         model.eval()
         try:
             with full_weights(model, self.training_engine):
                 for first in range(0, len(prompts), settings.batch_size):
                     batch = prompts[first : first + settings.batch_size]
-                    inputs = tokenizer.pad({"input_ids": batch}, padding_side="left", return_tensors="pt")
-                    inputs = dict(inputs.to(model.device))
+                    inputs = _TurnCache.inputs(model, kept, batch, pad_id) if kept and copies == 1 else None
+                    if inputs is None:
+                        inputs = tokenizer.pad({"input_ids": batch}, padding_side="left", return_tensors="pt")
+                        inputs = _prompt_cache_inputs(model, dict(inputs.to(model.device)), copies)
                     with autocast(model.device, self.bf16):
                         outputs = model.generate(
-                            **_prompt_cache_inputs(model, inputs, copies),
+                            **inputs,
                             do_sample=not settings.is_greedy,
                             temperature=None if settings.is_greedy else settings.temperature,
                             top_p=None if settings.is_greedy else settings.top_p,
                             top_k=None if settings.is_greedy else settings.top_k,
                             max_new_tokens=settings.max_new_tokens,
                             pad_token_id=pad_id,
+                            return_dict_in_generate=True,
                         )
-                    sequences += outputs[:, inputs["input_ids"].size(1) :].tolist()
+                    new = outputs.sequences[:, inputs["input_ids"].size(1) :].tolist()
+                    if self.keeping:
+                        rows = [prompt for prompt in batch for _ in range(copies)]
+                        ended = [self.cut(tokens) for tokens in new]
+                        cache = getattr(outputs, "cache", None)  # `past_key_values` before transformers 5.24
+                        cache = cache if cache is not None else getattr(outputs, "past_key_values", None)
+                        self.turn_cache.keep(cache, inputs["attention_mask"], rows, ended)
+                    sequences += new
                     bar.update(len(batch))
                     bar.set_postfix(tokens_per_s=f"{sum(map(len, sequences)) / (time.perf_counter() - start):.0f}")
         finally:

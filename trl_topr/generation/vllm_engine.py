@@ -344,10 +344,11 @@ class VLLMEngine(GenerationEngine):
                 "docs/sampling.md."
             ) from error
         args = VLLMArguments(use_vllm=True) if args is None else args
+        state = PartialState()  # before the first log line: accelerate's logger needs the state
         logger.info(f"Starting vLLM ({args.vllm_mode}) for {model.name_or_path}", main_process_only=True)
         vllm_generation = TOPRVLLMGeneration(
             model,
-            PartialState(),
+            state,
             processing_class,
             logprobs_mode="raw_logprobs",
             weight_transfer=False,

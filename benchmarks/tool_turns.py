@@ -1,0 +1,131 @@
+"""Multi-turn sampling with a tool on the transformers engine, with and without the key/values kept between turns.
+
+    python benchmarks/tool_turns.py            # the calculator configuration's sampling (SmolLM2-135M): ~10 min
+    python benchmarks/tool_turns.py --quick    # conftest-like tiny model (seconds; tests/test_benchmarks.py)
+
+What `recipes/configs/embedded_cpu_calculator.yaml` samples in a round: its 16 training prompts (3 worked examples
+calling the calculator, the tools' schemas) x 4 samples, 96 new tokens per trajectory, at most 2 rounds of calls,
+batches of 16, seed 0, through `trl_topr.rollout.rollout` on the transformers engine. In one process, on the same
+model, prompts and settings, alternating A and B --reps times (medians reported):
+  A: `TransformersEngine(turn_cache=True)`, the default: a turn after a tool's result computes only its new tokens
+  B: `TransformersEngine(turn_cache=False)`: every turn computes its whole sequence again
+Reports the seconds of each, the speed-up (B / A), the tokens generated, and whether the greedy trajectories of A and
+B are the same token for token (sampled ones may part where the two sums round differently).
+
+Writes `results.json` and `table.md`, with their provenance, to --out (default benchmarks/results/tool-turns).
+"""
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from provenance import save
+
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def prompts_and_model(quick: bool, work: str):
+    """The calculator configuration's training prompts and model (a tiny one with a tool template with --quick)."""
+    from trl_topr.tasks import arithmetic_problems, few_shot_prompts
+
+    problems = arithmetic_problems(0)[:160]  # the recipe's training questions, its seed 0
+    shots, train = problems[:3], problems[3:19]
+    prompts = list(few_shot_prompts(train, shots, tools=True)["prompt"])
+    if quick:
+        from trl.chat_template_utils import qwen2_5_chat_template
+
+        from trl_topr.testing import build_tiny_model
+
+        return prompts[:4], build_tiny_model(str(Path(work) / "tiny"), chat_template=qwen2_5_chat_template)
+    from trl_topr.embedded import smollm2_path
+
+    return prompts, smollm2_path()
+
+
+def main(argv=None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model (seconds)")
+    parser.add_argument("--reps", type=int, default=2, help="alternating repetitions of each engine")
+    parser.add_argument("--out", help="results folder (default: benchmarks/results/tool-turns, outputs/ with --quick)")
+    args = parser.parse_args(argv)
+    out = Path(args.out or ROOT / ("outputs/tool-turns-quick" if args.quick else "benchmarks/results/tool-turns"))
+    started = time.time()
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_topr.generation import SamplingSettings, TransformersEngine, prompt_ids
+    from trl_topr.precision import bf16_is_faster
+    from trl_topr.rollout import prepare_tool_calling, rollout, with_tool_template
+    from trl_topr.tasks import calculator
+
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as work:
+        prompts, path = prompts_and_model(args.quick, work)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        tokenizer = with_tool_template(AutoTokenizer.from_pretrained(path))
+    tools = [calculator]
+    prepare_tool_calling(tokenizer, tools, prompts)
+    ids = [prompt_ids(tokenizer, prompt, tools) for prompt in prompts]
+    sampled = SamplingSettings(num_samples=4, temperature=1.0, top_k=0, max_new_tokens=96, batch_size=16, seed=0)
+    bf16 = bf16_is_faster(model.device)
+    engines = {
+        name: TransformersEngine(model, tokenizer, bf16=bf16, turn_cache=name == "kept")
+        for name in ("kept", "recomputed")
+    }
+
+    def run(name: str, settings: SamplingSettings):
+        start = time.perf_counter()
+        trajectories = rollout(engines[name], tokenizer, prompts, ids, settings, tools, 2, progress=False)
+        return time.perf_counter() - start, trajectories
+
+    seconds, tokens, calls, greedy = {name: [] for name in engines}, {}, {}, {}
+    for _ in range(args.reps):
+        for name in engines:
+            elapsed, trajectories = run(name, sampled)
+            seconds[name].append(elapsed)
+            tokens[name] = sum(sum(mask) for mask in trajectories.tool_mask)
+            calls[name] = sum(trajectories.tool_calls) / len(trajectories.tool_calls)
+    for name in engines:
+        greedy[name] = run(name, sampled.greedy())[1]
+    same_greedy = (
+        greedy["kept"].completion_ids == greedy["recomputed"].completion_ids
+        and greedy["kept"].tool_mask == greedy["recomputed"].tool_mask
+    )
+    median = {name: statistics.median(values) for name, values in seconds.items()}
+    results = {
+        "trajectories": len(prompts) * sampled.num_samples,
+        "precision": "bf16" if bf16 else "fp32",
+        "seconds": seconds,
+        "median_seconds": median,
+        "speedup": median["recomputed"] / median["kept"],
+        "generated_tokens": tokens,
+        "tool_calls_per_trajectory": calls,
+        "greedy_same": same_greedy,
+        "greedy_tool_calls": sum(greedy["kept"].tool_calls),
+    }
+    report = "\n".join(
+        [
+            "| sampling with the calculator | key/values kept between turns (A) | recomputed (B) | ratio B / A |",
+            "|---|---|---|---|",
+            f"| seconds (median of {args.reps}) | {median['kept']:.1f} | {median['recomputed']:.1f} | "
+            f"{results['speedup']:.2f} |",
+            f"| generated tokens | {tokens['kept']} | {tokens['recomputed']} | |",
+            f"| tool calls per trajectory | {calls['kept']:.3f} | {calls['recomputed']:.3f} | |",
+            f"| greedy trajectories the same | {'yes' if same_greedy else 'no'} | | |",
+        ]
+    )
+    print(report)
+    save(out, {"results.json": results, "table.md": report}, script=__file__, argv=argv, started=started)
+    return report
+
+
+if __name__ == "__main__":
+    main()
