@@ -52,7 +52,7 @@ def prompts_and_model(quick: bool, work: str):
 def main(argv=None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model (seconds)")
-    parser.add_argument("--reps", type=int, default=2, help="alternating repetitions of each engine")
+    parser.add_argument("--reps", type=int, default=4, help="repetitions of each engine, in the order A B, B A, ...")
     parser.add_argument("--out", help="results folder (default: benchmarks/results/tool-turns, outputs/ with --quick)")
     args = parser.parse_args(argv)
     out = Path(args.out or ROOT / ("outputs/tool-turns-quick" if args.quick else "benchmarks/results/tool-turns"))
@@ -87,8 +87,8 @@ def main(argv=None) -> str:
         return time.perf_counter() - start, trajectories
 
     seconds, tokens, calls, greedy = {name: [] for name in engines}, {}, {}, {}
-    for _ in range(args.reps):
-        for name in engines:
+    for rep in range(args.reps):
+        for name in list(engines)[:: 1 if rep % 2 == 0 else -1]:  # A B, B A, ...: neither always runs first
             elapsed, trajectories = run(name, sampled)
             seconds[name].append(elapsed)
             tokens[name] = sum(sum(mask) for mask in trajectories.tool_mask)
