@@ -214,6 +214,16 @@ def ratio(folder: str, name: str, row: int) -> str:
 
 
 # --------------------------------------------------------------------------------------------- what the docs quote
+def tool_turns_speedup(folder: str) -> str:
+    """How many times as fast multi-turn sampling ran with the key/values kept (median seconds, B / A)."""
+    return f"{load(folder)['speedup']:.2f}"
+
+
+def iterative_v2_start(folder: str) -> str:
+    """The test split's sampled pass@1 at round 0 (the starting model, the same in every run)."""
+    (start,) = {entry["rounds"][0]["test/pass@1"] for entry in ledger(folder).runs.values()}
+    return f"{start:.3f}"
+
 def learning_table(folder: str) -> str:
     return learning.summarize(load(folder)).split("\n\n")[0]
 
@@ -914,13 +924,13 @@ QUOTES: dict[str, tuple] = {
     "embedded.greedy.after": (embedded_metric, "pass@1_greedy", -1),
     "embedded.invalid.before": (embedded_metric, "invalid_rate", 0),
     "embedded.invalid.after": (embedded_metric, "invalid_rate", -1),
+    "embedded.commit": (commit, "embedded"),
     # the embedded default with a calculator tool
     "calculator.table": (calculator_table,),
     "calculator.time": (run_time, "embedded-calculator"),
     "calculator.machine": (machine, "embedded-calculator"),
     "calculator.precision": (embedded_precision, "embedded-calculator"),
-    "calculator.quiet_time": (run_time, "embedded-calculator-quiet"),
-    "calculator.quiet_sampled": (embedded_metric, "pass@1", -1, "embedded-calculator-quiet"),
+    "calculator.commit": (commit, "embedded-calculator"),
     "calculator.greedy.off": (embedded_metric, "pass@1_greedy", 0, "embedded-calculator-off"),
     "calculator.greedy.on": (embedded_metric, "pass@1_greedy", 0, "embedded-calculator"),
     "calculator.greedy.on.after": (embedded_metric, "pass@1_greedy", -1, "embedded-calculator"),
@@ -932,7 +942,25 @@ QUOTES: dict[str, tuple] = {
     "calculator.calls.after": (embedded_metric, "tool_call_rate", -1, "embedded-calculator"),
     "calculator.invalid.on": (embedded_metric, "invalid_rate", 0, "embedded-calculator"),
     "calculator.invalid.off": (embedded_metric, "invalid_rate", 0, "embedded-calculator-off"),
-    # the embedded default in float32, and with the kernels held to AVX2
+    "calculator.off.time": (run_time, "embedded-calculator-off"),
+    "calculator.greedy.off.after": (embedded_metric, "pass@1_greedy", -1, "embedded-calculator-off"),
+    "calculator.sampled.off.after": (embedded_metric, "pass@1", -1, "embedded-calculator-off"),
+    "calculator.positives": (embedded_metric, "positive_fraction", -1, "embedded-calculator"),
+    # the same configuration at an earlier commit, on a CPU with AVX512-BF16, when the loop trained with baseline 0
+    "calculator-baseline0.machine": (machine, "embedded-calculator-baseline0"),
+    "calculator-baseline0.precision": (embedded_precision, "embedded-calculator-baseline0"),
+    "calculator-baseline0.commit": (commit, "embedded-calculator-baseline0"),
+    "calculator-baseline0.positives": (embedded_metric, "positive_fraction", -1, "embedded-calculator-baseline0"),
+    "calculator-baseline0.greedy.after": (embedded_metric, "pass@1_greedy", -1, "embedded-calculator-baseline0"),
+    "calculator-baseline0.sampled.after": (embedded_metric, "pass@1", -1, "embedded-calculator-baseline0"),
+    "calculator-baseline0.calls.after": (embedded_metric, "tool_call_rate", -1, "embedded-calculator-baseline0"),
+    # the embedded default's precisions at an earlier commit on a CPU with AVX512-BF16: bf16 (the probe's choice),
+    # float32, and with the kernels held to AVX2
+    "embedded-bf16.time": (run_time, "embedded-bf16"),
+    "embedded-bf16.machine": (machine, "embedded-bf16"),
+    "embedded-bf16.precision": (embedded_precision, "embedded-bf16"),
+    "embedded-bf16.commit": (commit, "embedded-bf16"),
+    "embedded-fp32.commit": (commit, "embedded-fp32"),
     "embedded-fp32.time": (run_time, "embedded-fp32"),
     "embedded-avx2.time": (run_time, "embedded-avx2"),
     "embedded-avx2.precision": (embedded_precision, "embedded-avx2"),
@@ -1029,6 +1057,12 @@ QUOTES: dict[str, tuple] = {
     "iterative-real.progress": (iterative_progress, "iterative-real"),
     "iterative-real.machine": (machine, "iterative-real"),
     "iterative-real.sweep": (table, "iterative-real", "sweep.md"),
+    # real scale v2, running: its plan and the runs finished so far
+    "iterative-real-v2.commit": (commit, "iterative-real-v2"),
+    "iterative-real-v2.sweep": (table, "iterative-real-v2", "sweep.md"),
+    "iterative-real-v2.start": (iterative_v2_start, "iterative-real-v2"),
+    "iterative-real-v2-plan.machine": (machine, "iterative-real-v2-plan"),
+    "iterative-real-v2-plan.total": (log_match, "iterative-real-v2-plan", "log.txt", r"at least \d+ runs, [\d.]+ h to go on one process.*h"),
     "iterative-real.table": (iterative_table, "iterative-real"),
     "iterative-real.diagnosis": (iterative_diagnosis, "iterative-real", {1, 4}),
     **{
@@ -1112,6 +1146,11 @@ QUOTES: dict[str, tuple] = {
     "sampling.sampler": (ratio, "sampling", "ratio (target >= 0.9)", 0),
     "sampling.precompute": (ratio, "sampling", "ratio (target >= 0.9)", 1),
     "sampling.fused": (ratio, "sampling", "ratio (target >= 0.9)", 2),
+    # multi-turn sampling with the calculator, key/values kept between turns or recomputed
+    "tool-turns.table": (table, "tool-turns"),
+    "tool-turns.machine": (machine, "tool-turns"),
+    "tool-turns.commit": (commit, "tool-turns"),
+    "tool-turns.speedup": (tool_turns_speedup, "tool-turns"),
     "sampling-vllm.table": (table, "sampling-vllm"),
     "sampling-vllm.machine": (machine, "sampling-vllm"),
     "sampling-vllm.commit": (commit, "sampling-vllm"),
