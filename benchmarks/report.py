@@ -214,6 +214,9 @@ def ratio(folder: str, name: str, row: int) -> str:
 
 
 # --------------------------------------------------------------------------------------------- what the docs quote
+V2_PLAN_TOTAL = r"at least \d+ runs, [\d.]+ h to go on one process.*h"  # the plan's last line, its totals
+
+
 def tool_turns_speedup(folder: str) -> str:
     """How many times as fast multi-turn sampling ran with the key/values kept (median seconds, B / A)."""
     return f"{load(folder)['speedup']:.2f}"
@@ -1062,7 +1065,7 @@ QUOTES: dict[str, tuple] = {
     "iterative-real-v2.sweep": (table, "iterative-real-v2", "sweep.md"),
     "iterative-real-v2.start": (iterative_v2_start, "iterative-real-v2"),
     "iterative-real-v2-plan.machine": (machine, "iterative-real-v2-plan"),
-    "iterative-real-v2-plan.total": (log_match, "iterative-real-v2-plan", "log.txt", r"at least \d+ runs, [\d.]+ h to go on one process.*h"),
+    "iterative-real-v2-plan.total": (log_match, "iterative-real-v2-plan", "log.txt", V2_PLAN_TOTAL),
     "iterative-real.table": (iterative_table, "iterative-real"),
     "iterative-real.diagnosis": (iterative_diagnosis, "iterative-real", {1, 4}),
     **{
