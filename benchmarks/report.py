@@ -227,6 +227,7 @@ def iterative_v2_start(folder: str) -> str:
     (start,) = {entry["rounds"][0]["test/pass@1"] for entry in ledger(folder).runs.values()}
     return f"{start:.3f}"
 
+
 def learning_table(folder: str) -> str:
     return learning.summarize(load(folder)).split("\n\n")[0]
 
