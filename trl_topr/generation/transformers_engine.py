@@ -220,10 +220,10 @@ class TransformersEngine(GenerationEngine):
                 for first in range(0, len(prompts), settings.batch_size):
                     batch = prompts[first : first + settings.batch_size]
                     inputs = _TurnCache.inputs(model, kept, batch, pad_id) if kept and copies == 1 else None
-                    if inputs is None:
-                        inputs = tokenizer.pad({"input_ids": batch}, padding_side="left", return_tensors="pt")
-                        inputs = _prompt_cache_inputs(model, dict(inputs.to(model.device)), copies)
-                    with autocast(model.device, self.bf16):
+                    with autocast(model.device, self.bf16):  # the prompts' shared key/values too
+                        if inputs is None:
+                            inputs = tokenizer.pad({"input_ids": batch}, padding_side="left", return_tensors="pt")
+                            inputs = _prompt_cache_inputs(model, dict(inputs.to(model.device)), copies)
                         outputs = model.generate(
                             **inputs,
                             do_sample=not settings.is_greedy,
