@@ -1,19 +1,24 @@
 """Memory of each process round after round of `run_topr_loop`: what a round leaves behind shows as growth.
 
-    python benchmarks/memory.py --engine single --label before     # 1 process, transformers generation
-    python benchmarks/memory.py --engine ddp --label before        # 2 CPU processes (accelerate launch, gloo)
-    python benchmarks/memory.py --engine zero3 --label before      # DeepSpeed ZeRO-3, 2 processes
-    python benchmarks/memory.py --engine fsdp2 --label before      # FSDP2, 2 processes
-    python benchmarks/memory.py --engine vllm --label before       # colocated vLLM, 1 process, in vLLM's environment
-    python benchmarks/memory.py --engine fsdp2 --label after_mmap --mmap_threshold 1048576   # without glibc's reserve
-    python benchmarks/memory.py --report                           # the tables of the runs recorded so far
+    python benchmarks/memory.py --engine single      # 1 process, transformers generation
+    python benchmarks/memory.py --engine ddp         # 2 CPU processes (accelerate launch, gloo)
+    python benchmarks/memory.py --engine zero3       # DeepSpeed ZeRO-3, 2 processes
+    python benchmarks/memory.py --engine fsdp2       # FSDP2, 2 processes
+    python benchmarks/memory.py --engine vllm        # colocated vLLM, 1 process, in vLLM's environment
+    python benchmarks/memory.py --engine zero3 --checkpointing off   # activation checkpointing off
+    python benchmarks/memory.py --engine fsdp2 --label mmap --mmap_threshold 1048576   # without glibc's reserve
+    python benchmarks/memory.py --report             # the tables of the runs recorded so far
 
-Each run trains SmolLM2-135M-Instruct (the embedded model, float32) for `--rounds` small rounds (8 prompts x 2
-samples of <= 16 tokens, 2 evaluation prompts) and records, for every process and round:
+Each run trains SmolLM2-135M-Instruct (the embedded model, float32) for `--rounds` small rounds (8 prompts x 4
+samples of <= 16 tokens, 2 evaluation prompts) with TRL's defaults, activation checkpointing included (on unless
+`--checkpointing off`), and records, for every process and round:
 - start: its resident memory at the start of the round, after the rounds before it;
-- live: the same once the C allocator has given its free memory back to the system (glibc's `malloc_trim`; no garbage
-  collection): what the process still holds, without the allocator's reserve, whose size varies from round to round;
-- peak: its peak resident memory during the round (`VmHWM`, reset after the trim through `/proc/self/clear_refs`);
+- peak: its peak resident memory during the round (`VmHWM`, started again at each round through
+  `/proc/self/clear_refs`);
+- live: the start less what the C allocator would give back to the system (glibc's `malloc_trim`) - what the process
+  holds without the allocator's reserve, whose size varies from round to round. A forked copy of the process trims
+  itself and reports how much it gave back, so that the process measured is never tidied (a trim, or a garbage
+  collection, in the process itself would change what the loop's next rounds hold, unlike a user's run);
 - how many trainers of earlier rounds are still alive (weak references, no garbage collection).
 
 The loop itself is not changed: the worker measures through its callbacks (`trl_topr.loop.LoopCallback`: the start of
@@ -60,14 +65,30 @@ def reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def trim() -> bool:
-    """Give the free memory of the C allocator back to the system (glibc's `malloc_trim`), so that the resident memory
-    is what the process holds (live objects, and garbage not collected yet); `False` without glibc."""
+def trimmable() -> int | None:
+    """How many bytes of this process's resident memory the C allocator would give back to the system (glibc's
+    `malloc_trim`), measured in a forked copy that trims itself, so that this process is not changed; `None` without
+    glibc or `fork`."""
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):
-        return False
-    return True
+        return None
+    if not hasattr(os, "fork"):
+        return None
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the copy: only the allocator and /proc, then out without Python's or torch's exit handlers
+        try:
+            before = memory()["rss"]
+            trim(0)
+            os.write(write, str(before - memory()["rss"]).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as answer:
+        given_back = answer.read()
+    os.waitpid(pid, 0)
+    return int(given_back) if given_back else None
 
 
 def arithmetic(n: int, offset: int = 0):
@@ -107,8 +128,9 @@ def worker(spec: dict) -> None:
                 "rss_start": memory()["rss"],
                 "earlier_trainers_alive": sum(ref() is not None for ref in trainers),
             }
-            if trim():
-                now["rss_live"] = memory()["rss"]
+            given_back = trimmable()
+            if given_back is not None:
+                now["rss_live"] = now["rss_start"] - given_back
             # stop before a round whose peak, grown as much as the last round's over its start, would pass the budget
             last, held = rounds[round_index - 1], now.get("rss_live", now["rss_start"])
             expected = held + last["peak"] - last.get("rss_live", last.get("rss_start", 0))
@@ -139,7 +161,7 @@ def worker(spec: dict) -> None:
         logging_steps=1,
         seed=0,
         disable_tqdm=True,
-        **{CHECKPOINTING: False},
+        **({} if spec["checkpointing"] else {CHECKPOINTING: False}),  # TRL's default: on
     )
     loop_args = TOPRLoopConfig(
         num_rounds=spec["rounds"],
@@ -216,8 +238,8 @@ def launch(engine: str, spec: dict, work: Path) -> tuple[list[dict], int]:
 
 COLUMNS = {
     "rss_start": "start GiB",
-    "rss_live": "live GiB",
     "peak": "peak GiB",
+    "rss_live": "live GiB",
     "earlier_trainers_alive": "earlier trainers alive",
 }
 
@@ -270,7 +292,8 @@ def report(out: Path) -> str:
             lines.append("| " + " | ".join(cells) + " |")
         processes = "/".join(sorted({str(len(run["processes"])) for run in runs[engine].values()}))
         grown = "; ".join(
-            f"{label}: peak {growth(labels[label], 'peak')}, live {growth(labels[label], 'rss_live')}{ending(run)}"
+            f"{label}: start {growth(labels[label], 'rss_start')}, peak {growth(labels[label], 'peak')}, live "
+            f"{growth(labels[label], 'rss_live')}{ending(run)}"
             for label, run in runs[engine].items()
         )
         sections.append(
@@ -283,10 +306,19 @@ def report(out: Path) -> str:
 def main(argv=None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", choices=ENGINES, default="single")
-    parser.add_argument("--label", default="run", help="name of this run in the tables (e.g. before, after)")
+    parser.add_argument(
+        "--label",
+        help="name of this run in the tables (e.g. before, after; default: checkpointing or no_checkpointing)",
+    )
+    parser.add_argument(
+        "--checkpointing",
+        choices=("on", "off"),
+        default="on",
+        help="activation checkpointing (on: TRL's default)",
+    )
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--samples", type=int, default=2)
+    parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--max_new_tokens", type=int, default=16)
     parser.add_argument("--model", help="model folder (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument(
@@ -310,6 +342,7 @@ def main(argv=None) -> str:
         return worker(json.loads(Path(args.worker).read_text()))
     out, started = Path(args.out), time.time()
     if not args.report:
+        args.label = args.label or {"on": "checkpointing", "off": "no_checkpointing"}[args.checkpointing]
         if "-" in args.label:
             parser.error("--label cannot contain '-'")
         from trl_topr.embedded import smollm2_path
@@ -325,6 +358,7 @@ def main(argv=None) -> str:
                 "model": args.model or smollm2_path(),
                 "budget": int(args.budget * total / (2 if args.engine in SHARDED else 1)),
                 "mmap_threshold": args.mmap_threshold,
+                "checkpointing": args.checkpointing == "on",
                 "output_dir": str(Path(work) / "loop"),
             }
             processes, status = launch(args.engine, spec, Path(work))

@@ -35,6 +35,7 @@ def main(
 
     import trl_topr.loop
     from trl_topr import TOPRLoopConfig, TOPRTrainer, run_topr_loop
+    from trl_topr.compat import CHECKPOINTING
     from trl_topr.distributed import weights_fingerprint
 
     output = Path(output_dir)
@@ -82,7 +83,14 @@ def main(
     prompts = Dataset.from_dict(
         {"prompt": [f"What is {i} + 3?" for i in range(6)], "answer": [str(i + 3) for i in range(6)]}
     )
-    train_args = make_args(output / "loop", max_steps=-1, per_device_train_batch_size=2, padding_free=padding_free)
+    # activation checkpointing on, as TRL's default runs the loop (under ZeRO-3 it left every round's model alive)
+    train_args = make_args(
+        output / "loop",
+        max_steps=-1,
+        per_device_train_batch_size=2,
+        padding_free=padding_free,
+        **{CHECKPOINTING: True},
+    )
     loop_args = TOPRLoopConfig(num_rounds=2, replay_rounds=1, num_generations=2, max_completion_length=6)
     trained = []  # what the loop's rounds trained with: nothing of it may outlive its round
     trl_topr.loop.TOPRTrainer = recording_trainer(trained)

@@ -160,7 +160,8 @@ def test_memory_benchmark_puts_labelled_runs_side_by_side(capsys, tmp_path, tiny
     assert table in capsys.readouterr().out and table in (tmp_path / "table.md").read_text()
     title, _, header, _rule, *rows = table.splitlines()
     assert title.startswith("single, 1 process(es)")
-    assert re.search(r"first: peak [+-]\d+\.\d%, live [+-]\d+\.\d%; second: peak n/a, live n/a$", title)
+    growth = r"start [+-]\d+\.\d%, peak [+-]\d+\.\d%, live [+-]\d+\.\d%"
+    assert re.search(rf"first: {growth}; second: start n/a, peak n/a, live n/a$", title)
     assert "first: peak GiB" in header and "second: peak GiB" in header
     assert [row.split("|")[1].strip() for row in rows] == ["0", "1", "2", "3"]
     assert rows[3].split("|")[-5:-1] == [" - "] * 4  # the second run stopped after round 1
@@ -168,7 +169,8 @@ def test_memory_benchmark_puts_labelled_runs_side_by_side(capsys, tmp_path, tiny
     (process,) = run["processes"]
     assert [r["round"] for r in process["rounds"]] == [0, 1, 2, 3] and run["exit_status"] == 0
     for r in process["rounds"][1:]:
-        assert r["peak"] >= r["rss_live"] > 0 and r["rss_start"] > 0 and r["earlier_trainers_alive"] == 0
+        # live: the start less what a trim would give back (measured in a forked copy, the process left as it is)
+        assert r["peak"] >= r["rss_start"] >= r["rss_live"] > 0 and r["earlier_trainers_alive"] == 0
     runs = json.loads((tmp_path / "provenance.json").read_text())["runs"]
     assert [r["command"].split("--label ")[1].split()[0] for r in runs] == ["first", "second"]
 

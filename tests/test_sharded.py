@@ -141,8 +141,8 @@ def check_common(result, single, folder):
     # replay: round 2 trained on its rows and round 1's, whose log-ratios under the moved policy are not 0
     assert rounds[2]["num_train_rows"] == 24 and rounds[2]["age_0/rows"] == rounds[2]["age_1/rows"] == 12
     assert abs(rounds[2]["age_0/log_ratio_mean"]) < 1e-4 < abs(rounds[2]["age_1/log_ratio_mean"])
-    # each round frees its trainer, model, training engine and optimizer (under ZeRO-3, DeepSpeed's registries kept
-    # them: memory grew by the model and its optimizer states every round)
+    # each round frees its trainer, model, training engine and optimizer, with activation checkpointing on (under
+    # ZeRO-3, DeepSpeed's registries kept them: memory grew by the model and its optimizer states every round)
     assert result["loop_trained"].count("optimizer") == 2
     assert result["loop_alive"] == []
     for r in rounds:  # 5 evaluation prompts over 2 processes: every one counted once

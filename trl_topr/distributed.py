@@ -265,8 +265,10 @@ def release_trainer(trainer) -> None:
     - DeepSpeed ZeRO-3 never empties two registries that reach the whole engine (model, optimizer states) through the
       model: the stack of modules in forward (`FWD_MODULE_STACK`), which every engine's model joins at its start, and
       the cache of the parameters to release per module and step (a `functools.lru_cache` on a method of
-      `PartitionedParameterCoordinator`, keyed by the modules). Without this, every trainer of a process stays in
-      memory (every round of [`~trl_topr.run_topr_loop`]). The model leaves the stack, and the cache, which only saves
+      `PartitionedParameterCoordinator`, keyed by the modules). With activation checkpointing, submodules stay on the
+      stack too: torch's checkpoint stops recomputing a layer once it has what backward needs, so their end-of-forward
+      hooks, which pop them, never run. Without this, every trainer of a process stays in memory (every round of
+      [`~trl_topr.run_topr_loop`]). The model and its submodules leave the stack, and the cache, which only saves
       recomputing a set per module, is emptied (for every engine: call this between trainings).
 
     Args:
@@ -279,8 +281,8 @@ def release_trainer(trainer) -> None:
         return
     from deepspeed.runtime.zero import parameter_offload, partitioned_param_coordinator
 
-    stack = getattr(parameter_offload, "FWD_MODULE_STACK", [])
-    stack[:] = [module for module in stack if module is not engine.module]
+    stack, modules = getattr(parameter_offload, "FWD_MODULE_STACK", []), set(engine.module.modules())
+    stack[:] = [module for module in stack if module not in modules]
     coordinator = getattr(partitioned_param_coordinator, "PartitionedParameterCoordinator", object)
     for method in vars(coordinator).values():  # cached methods, some inside DeepSpeed's NVTX wrapper (a closure)
         for function in (method, *(cell.cell_contents for cell in getattr(method, "__closure__", None) or ())):
