@@ -190,3 +190,41 @@ def test_recipes_import_only_the_public_api():
                 if undocumented:
                     missing.append(f"{path.relative_to(ROOT)}:{line} imports {undocumented} from {name}")
     assert not missing, missing
+
+
+# --------------------------------------------------------------------- short functions on the sampling/training path
+# The modules a round of the loop runs through, from sampling to training (docs/architecture.md).
+PATH_MODULES = ("loop.py", "sampling.py", "rollout.py", "evaluation.py", "trainer.py", "loss.py", "logprobs.py")
+MOST_LINES = 59  # "under 60"
+
+
+def code_lines(function: ast.FunctionDef, source: str) -> int:
+    """A function's lines of code: its body's lines without its docstring, blank lines and comment lines."""
+    body = function.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    text = source.splitlines()
+    lines = {n for node in body for n in range(node.lineno, node.end_lineno + 1)}
+    return sum(1 for n in lines if text[n - 1].strip() and not text[n - 1].strip().startswith("#"))
+
+
+def long_functions(paths: list[Path]) -> list[str]:
+    found = []
+    for path in paths:
+        source = path.read_text()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and code_lines(node, source) > MOST_LINES:
+                found.append(f"{path.name}:{node.lineno} {node.name} ({code_lines(node, source)} lines)")
+    return found
+
+
+def test_functions_on_the_sampling_and_training_path_stay_short():
+    paths = [PACKAGE / name for name in PATH_MODULES] + sorted((PACKAGE / "generation").glob("*.py"))
+    assert long_functions(paths) == []
+
+
+def test_a_long_function_is_caught(tmp_path):
+    body = "\n".join(f"    x{n} = {n}  # step {n}" for n in range(MOST_LINES + 1))
+    path = tmp_path / "long.py"
+    path.write_text(f'def long():\n    """Doc."""\n\n    # a comment\n{body}\n\n\ndef short():\n    return 1\n')
+    assert long_functions([path]) == [f"long.py:1 long ({MOST_LINES + 1} lines)"]

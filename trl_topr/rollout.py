@@ -267,14 +267,13 @@ def _tool_loop(
     tokenizer = text_tokenizer(processing_class)
     per_prompt = tools if isinstance(tools[0], list) else [tools] * len(prompts)
     limit = sampling.max_new_tokens
-    start, generated = time.perf_counter(), 0
-    count = len(first.completion_ids)
+    start, count = time.perf_counter(), len(first.completion_ids)
     first_seconds = sum(map(len, first.completion_ids)) / max(first.tokens_per_s, 1e-9)
     owner = [index * len(prompts) // count for index in range(count)]  # prompt-major
     ids = [list(c) for c in first.completion_ids]
     mask = [[1] * len(c) for c in ids]
     logprobs = [list(values) for values in first.logprobs] if first.logprobs is not None else None
-    generated += sum(map(len, ids))
+    generated = sum(map(len, ids))
     tools = [per_prompt[owner[i]] for i in range(count)]  # each trajectory's
     messages = [[_parsed(tokenizer, ids[i], prompt_ids[owner[i]], tools[i])] for i in range(count)]
     calls, failures = [0] * count, [0] * count
@@ -282,34 +281,24 @@ def _tool_loop(
     iteration = 0
     while pending and (max_tool_calling_iterations is None or iteration < max_tool_calling_iterations):
         iteration += 1
-        going_on = []
-        for i, (tool_messages, failed) in zip(
-            pending, _run_once([messages[i][-1]["tool_calls"] for i in pending], [tools[i] for i in pending])
-        ):
+        results = _run_once([messages[i][-1]["tool_calls"] for i in pending], [tools[i] for i in pending])
+        for i, (tool_messages, failed) in zip(list(pending), results):
             calls[i] += len(tool_messages)
             failures[i] += failed
-            try:
-                suffix = tool_suffix_ids(
-                    processing_class, prompts[owner[i]], messages[i], tool_messages, tools[i], engine.eos_ids
-                )
-            except TrajectoryError as error:
-                raise ValueError(f"Sampling with tools: {error}") from error
-            if len(ids[i]) + len(suffix) >= limit:  # no room left for the policy to read the result and answer
-                continue
-            messages[i] += tool_messages
-            ids[i] += suffix
-            mask[i] += [0] * len(suffix)
-            going_on.append(i)
-        if not going_on:
+            suffix = _result_ids(processing_class, prompts[owner[i]], messages[i], tool_messages, tools[i], engine)
+            if len(ids[i]) + len(suffix) < limit:  # else no room left for the policy to read the result and answer
+                messages[i] += tool_messages
+                ids[i] += suffix
+                mask[i] += [0] * len(suffix)
+            else:
+                pending.remove(i)
+        if not pending:
             break
-        room = limit - min(len(ids[i]) for i in going_on)
         seed = None if sampling.seed is None else sampling.seed + 7919 * iteration
+        room = limit - min(len(ids[i]) for i in pending)
         turn_sampling = sampling.replace(num_samples=1, max_new_tokens=room, seed=seed)
-        turns: Generations = engine.generate(
-            [prompt_ids[owner[i]] + ids[i] for i in going_on], turn_sampling, progress=False
-        )
-        pending = []
-        for n, i in enumerate(going_on):
+        turns: Generations = engine.generate([prompt_ids[owner[i]] + ids[i] for i in pending], turn_sampling, False)
+        for n, i in enumerate(list(pending)):
             new = turns.completion_ids[n][: limit - len(ids[i])]
             context = prompt_ids[owner[i]] + ids[i]
             ids[i] += new
@@ -318,8 +307,7 @@ def _tool_loop(
             if logprobs is not None:
                 logprobs[i] += list(turns.logprobs[n][: len(new)]) if turns.logprobs is not None else [None] * len(new)
             messages[i].append(_parsed(tokenizer, new, context, tools[i]))
-            if messages[i][-1].get("tool_calls"):
-                pending.append(i)
+        pending = [i for i in pending if messages[i][-1].get("tool_calls")]
     return Trajectories(
         completions=messages,
         completion_ids=ids,
@@ -329,6 +317,14 @@ def _tool_loop(
         tool_failures=failures,
         tokens_per_s=generated / max(first_seconds + time.perf_counter() - start, 1e-9),
     )
+
+
+def _result_ids(processing_class, prompt, messages: list, tool_messages: list, tools: list, engine) -> list[int]:
+    # The template's tokens around a turn's tool results, which the policy reads before its next turn
+    try:
+        return tool_suffix_ids(processing_class, prompt, messages, tool_messages, tools, engine.eos_ids)
+    except TrajectoryError as error:
+        raise ValueError(f"Sampling with tools: {error}") from error
 
 
 def _run_once(turns_calls: list[list[dict]], tools: list[list[Callable]]) -> list[tuple[list[dict], int]]:
