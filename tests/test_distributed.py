@@ -189,6 +189,35 @@ TOOL_WORKER = textwrap.dedent(
     rounds = run_topr_loop(path, prompts, correct, loop_args, args, tools=[multiply])
     with open(f"{{out}}/rounds-rank{{rank}}.json", "w") as f:
         json.dump(rounds, f)
+
+    class Multiplier:  # an environment whose steps differ by process: they must run once, on the main process
+        def reset(self, **row):
+            with open(f"{{out}}/resets-rank{{PartialState().process_index}}.txt", "a") as f:
+                f.write("reset\\n")
+            self.answer, self.results = row["answer"], []
+
+        def multiply(self, a: int, b: int) -> int:
+            \"\"\"
+            Multiply two integers.
+
+            Args:
+                a: The first integer.
+                b: The second integer.
+            \"\"\"
+            rank = PartialState().process_index
+            with open(f"{{out}}/environment-calls-rank{{rank}}.txt", "a") as f:
+                f.write("called\\n")
+            self.results.append(a * b + 1000 * rank)
+            return self.results[-1]
+
+        def get_reward(self) -> float:
+            return 1.0 if [str(r) for r in self.results] == [self.answer] else -1.0
+
+    loop_args = TOPRLoopConfig(num_rounds=1, num_generations=2, max_completion_length=200)
+    args = make_args(f"{{out}}/environment-loop", max_steps=-1, per_device_train_batch_size=2, learning_rate=1e-5)
+    rounds = run_topr_loop(path, prompts, [], loop_args, args, environment_factory=Multiplier)
+    with open(f"{{out}}/environment-rank{{rank}}.json", "w") as f:
+        json.dump(rounds, f)
     end_processes()
     """
 )
@@ -217,3 +246,12 @@ def test_tools_run_once_and_the_loop_replays_trajectories_under_two_processes(to
     assert rounds[0] == rounds[1] and [r["round"] for r in rounds[0]] == [0, 1, 2]
     assert rounds[0][2]["num_train_rows"] == 16  # round 2's 8 samples and round 1's, replayed
     assert rounds[0][1]["tools/call_frequency"] > 0  # sampled by the initial policy, which calls
+    # environment_factory: every trajectory's reset, tool calls and reward on the main process, shared with the other
+    # (the tool's result differs by process: run on process 1, its reward would be -1 there and the rounds differ)
+    rounds = [json.loads((tmp_path / f"environment-rank{r}.json").read_text()) for r in (0, 1)]
+    assert rounds[0] == rounds[1] and rounds[0][1]["num_samples"] == 8
+    assert rounds[0][1]["reward"] > -1.0  # some trajectories called multiply(7, 8) once, with process 0's result
+    assert len((tmp_path / "resets-rank0.txt").read_text().splitlines()) == 8  # one reset per trajectory
+    assert not (tmp_path / "resets-rank1.txt").exists()
+    assert (tmp_path / "environment-calls-rank0.txt").exists()
+    assert not (tmp_path / "environment-calls-rank1.txt").exists()
