@@ -807,21 +807,22 @@ def vllm_startup_span(arm: str, key: str) -> str:
     return f"{min(values):.0f}-{max(values):.0f} s"
 
 
-def memory_summary() -> str:
-    """Per engine and labelled run of `benchmarks/memory.py`: the growth of the peak and of the live memory after
-    round 2 (against round 2), the rounds run, and the most trainers of earlier rounds found alive."""
+def memory_summary(folder: str = "memory") -> str:
+    """Per engine and labelled run of `benchmarks/memory.py` in `folder`: the growth of the resident memory at the
+    start of a round, of the peak and of the live memory after round 2 (against round 2), the rounds run, and the most
+    trainers of earlier rounds found alive."""
     lines = [
-        "| engine | run | rounds | peak after round 2 | live after round 2 | earlier trainers alive |",
-        "|---|---|---|---|---|---|",
+        "| engine | run | rounds | start after round 2 | peak after round 2 | live after round 2 "
+        "| earlier trainers alive |",
+        "|---|---|---|---|---|---|---|",
     ]
-    runs = sorted((load("memory", path.name) for path in (RESULTS / "memory").glob("*-*.json")), key=memory_order)
+    runs = sorted((load(folder, path.name) for path in (RESULTS / folder).glob("*-*.json")), key=memory_order)
     for run in runs:
         rounds = memory.largest(run)
         trained = [r["round"] for r in rounds if r["round"] > 0]
-        lines.append(
-            f"| {run['engine']} | {run['label']} | {len(trained)} | {memory.growth(rounds, 'peak')} | "
-            f"{memory.growth(rounds, 'rss_live')} | {max(r['earlier_trainers_alive'] for r in rounds[1:])} |"
-        )
+        growths = " | ".join(memory.growth(rounds, key) for key in ("rss_start", "peak", "rss_live"))
+        alive = max(r["earlier_trainers_alive"] for r in rounds[1:])
+        lines.append(f"| {run['engine']} | {run['label']} | {len(trained)} | {growths} | {alive} |")
     return "\n".join(lines)
 
 
@@ -830,11 +831,11 @@ def memory_order(run: dict) -> tuple[int, str]:
     return memory.ENGINES.index(run["engine"]), run["started"]
 
 
-def memory_leak(run: str) -> str:
+def memory_leak(run: str, folder: str = "memory") -> str:
     """How much live memory a run of `benchmarks/memory.py` gained a round, from round 1 to its last (the process
     that gained most): "1.8 GiB"."""
     per_round = []
-    for process in load("memory", f"{run}.json")["processes"]:
+    for process in load(folder, f"{run}.json")["processes"]:
         live = [r["rss_live"] for r in process["rounds"] if r["round"] >= 1]
         if len(live) < 2:
             raise ValueError(f"{run}: fewer than 2 trained rounds recorded, no growth to measure")
@@ -1179,8 +1180,9 @@ QUOTES: dict[str, tuple] = {
     "vllm-startup.steady": (vllm_startup_speedup, STEADY),
     # memory round after round
     "memory.table": (file_text, "memory", "table.md"),
-    "memory.zero3_leak": (memory_leak, "zero3-before"),
-    "memory.summary": (memory_summary,),
+    "memory.summary": (memory_summary, "memory"),
+    "memory-trimmed.summary": (memory_summary, "memory-trimmed"),
+    "memory-trimmed.zero3_leak": (memory_leak, "zero3-before", "memory-trimmed"),
     # one NVIDIA H100 (logs of benchmarks/gpu.sh)
     "gpu-h100.cost": (table, "gpu-h100", "cost-reps2.log"),
     "gpu-h100.qlora": (table, "gpu-h100", "qlora.log"),
