@@ -197,18 +197,13 @@ TOOL_WORKER = textwrap.dedent(
             self.answer, self.results = row["answer"], []
 
         def multiply(self, a: int, b: int) -> int:
-            \"\"\"
-            Multiply two integers.
-
-            Args:
-                a: The first integer.
-                b: The second integer.
-            \"\"\"
             rank = PartialState().process_index
             with open(f"{{out}}/environment-calls-rank{{rank}}.txt", "a") as f:
                 f.write("called\\n")
             self.results.append(a * b + 1000 * rank)
             return self.results[-1]
+
+        multiply.__doc__ = multiply_here.__doc__  # its schema for the policy: the same tool
 
         def get_reward(self) -> float:
             return 1.0 if [str(r) for r in self.results] == [self.answer] else -1.0
