@@ -282,23 +282,24 @@ def _tool_loop(
     while pending and (max_tool_calling_iterations is None or iteration < max_tool_calling_iterations):
         iteration += 1
         results = _run_once([messages[i][-1]["tool_calls"] for i in pending], [tools[i] for i in pending])
-        for i, (tool_messages, failed) in zip(list(pending), results):
+        going_on = []  # those with room left for the policy to read the result and answer
+        for i, (tool_messages, failed) in zip(pending, results):
             calls[i] += len(tool_messages)
             failures[i] += failed
             suffix = _result_ids(processing_class, prompts[owner[i]], messages[i], tool_messages, tools[i], engine)
-            if len(ids[i]) + len(suffix) < limit:  # else no room left for the policy to read the result and answer
+            if len(ids[i]) + len(suffix) < limit:
                 messages[i] += tool_messages
                 ids[i] += suffix
                 mask[i] += [0] * len(suffix)
-            else:
-                pending.remove(i)
+                going_on.append(i)
+        pending = going_on
         if not pending:
             break
         seed = None if sampling.seed is None else sampling.seed + 7919 * iteration
         room = limit - min(len(ids[i]) for i in pending)
         turn_sampling = sampling.replace(num_samples=1, max_new_tokens=room, seed=seed)
         turns: Generations = engine.generate([prompt_ids[owner[i]] + ids[i] for i in pending], turn_sampling, False)
-        for n, i in enumerate(list(pending)):
+        for n, i in enumerate(pending):
             new = turns.completion_ids[n][: limit - len(ids[i])]
             context = prompt_ids[owner[i]] + ids[i]
             ids[i] += new
