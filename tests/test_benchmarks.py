@@ -132,13 +132,14 @@ def test_sampling_benchmark_prints_ratio_table(capsys, tmp_path):
     assert set(results["tokens_per_s"]) == {"sampler", "generate", "precompute", "forward", "fused"}
 
 
-def test_tool_turns_benchmark_prints_both_engines_and_their_ratio(capsys, tmp_path):
+def test_tool_turns_benchmark_prints_every_engine_and_its_speed_up(capsys, tmp_path):
     table = load("tool_turns").main(["--quick", "--reps", "1", "--out", str(tmp_path)])
     assert table in capsys.readouterr().out
-    header, _rule, seconds, *rest = table.splitlines()
-    assert "ratio B / A" in header and float(seconds.split("|")[4]) > 0
+    header, _rule, seconds, speedup, *rest = table.splitlines()
+    assert "before" in header and all(float(cell) > 0 for cell in seconds.split("|")[2:5])
     results = json.loads((tmp_path / "results.json").read_text())
-    assert set(results["median_seconds"]) == {"kept", "recomputed"} and results["greedy_same"] is True
+    assert list(results["median_seconds"]) == ["before", "turns", "after"] and results["greedy_same"] is True
+    assert results["speedup"]["before"] == 1 and speedup.split("|")[4].strip() == f"{results['speedup']['after']:.2f}"
     check_provenance(tmp_path, f"python benchmarks/tool_turns.py --quick --reps 1 --out {tmp_path}")
 
 

@@ -401,16 +401,47 @@ def test_vllm_engine_on_gpu(tiny_model_path, tmp_path):
     assert abs(trainer.state.log_history[0]["log_ratio_max"]) < 1e-3
 
 
-def test_shared_prompt_cache_generates_what_plain_generation_does(model_and_tokenizer):
-    # Each prompt's key/values are computed once for its copies: greedy decoding from the shared cache and from
-    # copies of the prompts give the same tokens, prompts of different lengths (left padding) included.
-    from trl_topr.generation.transformers_engine import _cache_argument, _prompt_cache_inputs
+@pytest.mark.parametrize("shared_prefix, static", [(True, True), (True, False), (False, True), (False, False)])
+def test_key_values_computed_ahead_score_what_each_prompt_alone_scores(model_and_tokenizer, shared_prefix, static):
+    # Prompts of different lengths that share a prefix, their key/values computed ahead for 3 copies each (the prefix
+    # once for the batch, each prompt's rest once for its copies) in a preallocated or a growing cache: greedy
+    # decoding scores every token as each prompt alone, unpadded and computed by `generate`, scores it. The padded
+    # prompt's positions count along its attention mask (counting them from the padding moves every score).
+    from transformers import StaticCache
+
+    from trl_topr.generation.transformers_engine import _cache_argument, _generation_inputs
 
     model, tokenizer = model_and_tokenizer
-    ids = [tokenizer(text)["input_ids"] for text in ("What is 2 + 3?", "Tell me a story about a cat and a dog.")]
-    inputs = dict(tokenizer.pad({"input_ids": ids}, padding_side="left", return_tensors="pt"))
-    settings = dict(do_sample=False, max_new_tokens=8, pad_token_id=tokenizer.pad_token_id)
-    cached = _prompt_cache_inputs(model, inputs, 3)
-    assert _cache_argument(model) in cached and cached["input_ids"].size(0) == 6
-    plain = model.generate(**{k: v.repeat_interleave(3, dim=0) for k, v in inputs.items()}, **settings)
-    torch.testing.assert_close(model.generate(**cached, **settings), plain, rtol=0, atol=0)
+    shared = "You are a careful assistant. Answer in one line. "
+    ids = [
+        tokenizer(shared + text)["input_ids"] for text in ("What is 2 + 3?", "Tell me a story about a cat and a dog.")
+    ]
+    assert len(ids[0]) < len(ids[1])
+    shapes = []  # the tokens each forward reads: the shared prefix once, for one row
+
+    def record(module, args, kwargs):
+        shapes.append(tuple(kwargs["input_ids"].shape))
+
+    hook = model.register_forward_pre_hook(record, with_kwargs=True)
+    inputs = _generation_inputs(model, ids, tokenizer.pad_token_id, 3, 8, [], shared_prefix, static)
+    hook.remove()
+    prefix = next(i for i, (a, b) in enumerate(zip(*ids)) if a != b)
+    assert shapes[0] == ((1, prefix) if shared_prefix else (2, len(ids[1]) - 1))
+    assert isinstance(inputs[_cache_argument(model)], StaticCache) == static
+    settings = dict(
+        do_sample=False,
+        max_new_tokens=8,
+        pad_token_id=tokenizer.pad_token_id,
+        output_logits=True,
+        return_dict_in_generate=True,
+        disable_compile=True,
+    )
+    batched = model.generate(**inputs, **settings)
+    width = inputs["input_ids"].size(1)
+    for index, prompt in enumerate(ids):
+        alone = model.generate(input_ids=torch.tensor([prompt]), **settings)
+        steps = len(alone.logits)
+        for row in range(3 * index, 3 * index + 3):
+            assert batched.sequences[row, width : width + steps].tolist() == alone.sequences[0, len(prompt) :].tolist()
+            scores = torch.stack([logits[row] for logits in batched.logits[:steps]])
+            torch.testing.assert_close(scores, torch.cat(alone.logits), atol=1e-4, rtol=1e-4)

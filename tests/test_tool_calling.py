@@ -266,7 +266,7 @@ def test_the_next_turn_reuses_the_key_values_of_the_turn_before(tool_policy):
     hook = model.model.register_forward_pre_hook(record, with_kwargs=True)
     runs = {}
     for turn_cache in (False, True):
-        engine = TransformersEngine(model, tokenizer, bf16=False, turn_cache=turn_cache)
+        engine = TransformersEngine(model, tokenizer, bf16=False, turn_cache=turn_cache, shared_prefix=turn_cache)
         start = len(prefills)
         runs[turn_cache] = rollout(engine, tokenizer, [PROMPT] * 2, ids, GREEDY, [multiply], 3), prefills[start:]
     hook.remove()
@@ -274,5 +274,5 @@ def test_the_next_turn_reuses_the_key_values_of_the_turn_before(tool_policy):
     assert cached.completion_ids == whole.completion_ids and cached.tool_mask == whole.tool_mask
     assert all(0 in mask for mask in cached.tool_mask)  # a second turn, after the tool's result
     assert len(cached_prefills) == len(whole_prefills) == 2  # the first turn, and the turn after the result
-    assert cached_prefills[0] == whole_prefills[0] == len(ids[0])
+    assert cached_prefills[0] == whole_prefills[0] == len(ids[0]) - 1  # the prompt but the token `generate` reads
     assert cached_prefills[1] < whole_prefills[1] - len(ids[0])  # the prompt and the first turn were not computed

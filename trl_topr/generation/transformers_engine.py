@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from accelerate import PartialState
 from tqdm.auto import tqdm
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase, set_seed
-from transformers.cache_utils import DynamicLayer
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase, StaticCache, set_seed
+from transformers.cache_utils import DynamicLayer, StaticLayer
 from trl.trainer.utils import create_model_from_path
 
 from ..distributed import full_weights, unsharded_loading
@@ -20,26 +20,115 @@ from .engine import GenerationEngine, end_of_sequence_ids, text_tokenizer
 from .settings import SamplingSettings
 
 
-def _prompt_cache_inputs(model: PreTrainedModel, inputs: dict[str, torch.Tensor], copies: int) -> dict[str, Any]:
+def _generation_inputs(
+    model: PreTrainedModel,
+    rows: list[list[int]],
+    pad_id: int,
+    copies: int,
+    max_new_tokens: int,
+    kept: list,
+    shared_prefix: bool = True,
+    static: bool = True,
+) -> dict[str, Any]:
     """
-    Inputs of `model.generate` for `copies` completions of each prompt of `inputs` (left-padded `input_ids` and
-    `attention_mask`), with the prompts' key/values computed once and shared by their copies, as a cache of all but
-    the last prompt token. `model.generate(num_return_sequences=copies)` would compute them for every copy: with
-    several samples per prompt, the prompts are most of the cost.
+    Inputs of `model.generate` for `copies` completions of each row of token ids, with every key/value computed once:
+    each row's longest prefix kept from the turn before (see [`_TurnCache`]) or, when no row has one, the prefix all
+    the rows share (few-shot examples, a system prompt, the tools' schemas), computed for one row (`shared_prefix`);
+    then the rest of each row but its last token, once for all its copies (`num_return_sequences` would compute it
+    for every copy). Rows are laid out `[padding][prefix][padding][rest]`, their positions counted along the
+    attention mask as `generate` counts them. With `static`, where the model's layers are plain full attention, the
+    key/values go in a cache allocated once with room for `max_new_tokens`: a growing cache copies itself at every
+    token, most of a step's cost on long prompts.
     """
-    expanded = {name: tensor.repeat_interleave(copies, dim=0) for name, tensor in inputs.items()}
-    if copies == 1 or inputs["input_ids"].size(1) < 2 or not model._supports_default_dynamic_cache():
-        return expanded
-    cache = DynamicCache(config=model.config)
-    name = _cache_argument(model)
-    model(
-        input_ids=inputs["input_ids"][:, :-1],
-        attention_mask=inputs["attention_mask"][:, :-1],
-        **{name: cache},
-        use_cache=True,
-    )
+    device, name = model.device, _cache_argument(model)
+    if not model._supports_default_dynamic_cache():
+        layout = _padded(rows, [0] * len(rows), pad_id)
+        return {key: torch.tensor(value, device=device).repeat_interleave(copies, 0) for key, value in layout}
+    found = [_longest_prefix(kept, row) for row in rows]
+    if shared_prefix and all(entry is None for entry in found) and _common_prefix(rows):
+        found = [_key_values(model, rows[0][: _common_prefix(rows)])] * len(rows)
+    cached = [len(entry[0]) if entry is not None else 0 for entry in found]
+    ids, mask = (torch.tensor(value, device=device) for _, value in _padded(rows, cached, pad_id))
+    layers = _laid_out(found, cached)
+    cache = DynamicCache(ddp_cache_data=layers, config=model.config) if layers else DynamicCache(config=model.config)
+    start = max(cached)
+    if ids.size(1) - 1 > start:  # the rest of each row but its last token, which `generate`'s first step computes
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        model(
+            input_ids=ids[:, start:-1],
+            attention_mask=mask[:, :-1],
+            position_ids=positions[:, start:-1],
+            **{name: cache},
+            use_cache=True,
+        )
+    inputs = {"input_ids": ids.repeat_interleave(copies, 0), "attention_mask": mask.repeat_interleave(copies, 0)}
+    if cache.get_seq_length() == 0:  # nothing computed ahead (rows of one token): `generate` computes it all
+        return inputs
     cache.batch_repeat_interleave(copies)
-    return {**expanded, name: cache}
+    if static and all(type(layer) is DynamicLayer for layer in cache.layers):
+        cache = _preallocated(model, cache, ids.size(1) - 1 + max_new_tokens)
+    return {**inputs, name: cache}
+
+
+def _common_prefix(rows: list[list[int]]) -> int:
+    # The length of the prefix every row starts with, short of each row's last token
+    shortest = max(min(map(len, rows)) - 1, 0)
+    return next((i for i in range(shortest) if any(row[i] != rows[0][i] for row in rows)), shortest)
+
+
+def _longest_prefix(kept: list, row: list[int]):
+    # The kept entry (tokens, layers) whose tokens are the longest proper prefix of `row`, or `None`
+    prefixes = [entry for entry in kept if len(entry[0]) < len(row) and tuple(row[: len(entry[0])]) == entry[0]]
+    return max(prefixes, key=lambda entry: len(entry[0]), default=None)
+
+
+def _key_values(model: PreTrainedModel, tokens: list[int]):
+    # `tokens` and their key/values per layer (heads x tokens x head size); `None` for layers that are not plain
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.tensor([tokens], device=model.device), **{_cache_argument(model): cache}, use_cache=True)
+    if not all(type(layer) is DynamicLayer for layer in cache.layers):
+        return None
+    return tuple(tokens), [(layer.keys[0], layer.values[0]) for layer in cache.layers]
+
+
+def _padded(rows: list[list[int]], cached: list[int], pad_id: int) -> list[tuple[str, list[list[int]]]]:
+    # Token ids and attention mask of `rows` laid out `[padding][their first `cached` tokens][padding][the rest]`
+    width, rest = max(cached), max(len(row) - n for row, n in zip(rows, cached))
+    ids, mask = [], []
+    for row, n in zip(rows, cached):
+        gap_1, gap_2 = width - n, rest - (len(row) - n)
+        ids.append([pad_id] * gap_1 + row[:n] + [pad_id] * gap_2 + row[n:])
+        mask.append([0] * gap_1 + [1] * n + [0] * gap_2 + [1] * (len(row) - n))
+    return [("input_ids", ids), ("attention_mask", mask)]
+
+
+def _laid_out(found: list, cached: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # Per layer, the keys and values of each row's prefix (an entry of `found`), right-aligned in `max(cached)`
+    # positions; none when no row has one
+    example = next((entry for entry in found if entry is not None), None)
+    if example is None:
+        return []
+    width, layers = max(cached), []
+    for index, (keys, values) in enumerate(example[1]):
+        shape = (len(found), keys.size(0), width, keys.size(-1))
+        all_keys, all_values = keys.new_zeros(shape), values.new_zeros(shape)
+        for row, (entry, n) in enumerate(zip(found, cached)):
+            if entry is not None:
+                all_keys[row, :, width - n :] = entry[1][index][0]
+                all_values[row, :, width - n :] = entry[1][index][1]
+        layers.append((all_keys, all_values))
+    return layers
+
+
+def _preallocated(model: PreTrainedModel, cache: DynamicCache, length: int) -> StaticCache:
+    # `cache`'s key/values in a cache of `length` positions allocated once, which `generate` fills in place
+    static = StaticCache(config=model.config, max_cache_len=length)
+    for layer, full in zip(static.layers, cache.layers, strict=True):
+        layer.lazy_initialization(full.keys, full.values)
+        layer.keys[:, :, : full.keys.size(2)] = full.keys
+        layer.values[:, :, : full.values.size(2)] = full.values
+        layer.cumulative_length.fill_(full.keys.size(2))
+    return static
 
 
 class _TurnCache:
@@ -48,8 +137,8 @@ class _TurnCache:
     tool loop's next turn is its trajectory so far, the tool's result and the template's text around it. A row of the
     next call that starts with a kept sequence gets its key/values, and only the rest of its tokens are computed
     (vLLM's prefix caching does the same on vLLM). Each call takes what the one before kept and keeps its own, so at
-    most one call's key/values are held. Only caches of plain layers (`DynamicLayer`: full attention, no sliding
-    window or state) are kept.
+    most one call's key/values are held. Only caches of plain layers (full attention, no sliding window or state) are
+    kept.
     """
 
     def __init__(self):
@@ -62,7 +151,7 @@ class _TurnCache:
     def keep(self, cache, attention_mask: torch.Tensor, prompts: list[list[int]], completions: list[list[int]]):
         # Row r holds its prompt's tokens where its attention mask is 1, then its completion; the key/values of the
         # completion's last token were never computed (it was sampled last), so a row keeps its tokens but that one
-        if cache is None or not all(type(layer) is DynamicLayer for layer in cache.layers):
+        if cache is None or not all(type(layer) in (DynamicLayer, StaticLayer) for layer in cache.layers):
             return
         width = attention_mask.size(1)
         for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
@@ -70,42 +159,6 @@ class _TurnCache:
             where = torch.cat([attention_mask[row].nonzero().squeeze(-1), generated])
             layers = [(layer.keys[row][:, where], layer.values[row][:, where]) for layer in cache.layers]
             self.kept.append((tuple(prompt + completion[:-1]), layers))
-
-    @staticmethod
-    def inputs(model, kept: list, rows: list[list[int]], pad_id: int) -> dict[str, Any] | None:
-        """`model.generate`'s inputs for `rows`, with the key/values of each row's longest kept prefix; `None` when
-        no row starts with a kept sequence."""
-        found = []
-        for row in rows:
-            prefixes = [
-                entry for entry in kept if len(entry[0]) < len(row) and tuple(row[: len(entry[0])]) == entry[0]
-            ]
-            found.append(max(prefixes, key=lambda entry: len(entry[0]), default=None))
-        if all(entry is None for entry in found):
-            return None
-        cached = [len(entry[0]) if entry is not None else 0 for entry in found]
-        width, rest = max(cached), max(len(row) - n for row, n in zip(rows, cached))
-        ids, mask = [], []
-        for row, n in zip(rows, cached):
-            gap_1, gap_2 = width - n, rest - (len(row) - n)
-            ids.append([pad_id] * gap_1 + row[:n] + [pad_id] * gap_2 + row[n:])
-            mask.append([0] * gap_1 + [1] * n + [0] * gap_2 + [1] * (len(row) - n))
-        example = next(entry for entry in found if entry is not None)[1]
-        layers = []
-        for index, (keys, values) in enumerate(example):
-            shape = (len(rows), keys.size(0), width, keys.size(-1))
-            all_keys, all_values = keys.new_zeros(shape), values.new_zeros(shape)
-            for row, (entry, n) in enumerate(zip(found, cached)):
-                if entry is not None:
-                    all_keys[row, :, width - n :] = entry[1][index][0]
-                    all_values[row, :, width - n :] = entry[1][index][1]
-            layers.append((all_keys, all_values))
-        device = model.device
-        return {
-            "input_ids": torch.tensor(ids, device=device),
-            "attention_mask": torch.tensor(mask, device=device),
-            _cache_argument(model): DynamicCache(ddp_cache_data=layers, config=model.config),
-        }
 
 
 def _cache_argument(model: PreTrainedModel) -> str:
@@ -143,6 +196,13 @@ class TransformersEngine(GenerationEngine):
             Within [`~GenerationEngine.turns`] (a tool loop's turns), keep the key/values of a call's sequences for
             the next call, so that a sequence that continues one computes only its new tokens. `False` computes every
             sequence whole.
+        shared_prefix (`bool`, *optional*, defaults to `True`):
+            Compute the key/values of the prefix that a batch's prompts share (few-shot examples, a system prompt,
+            the tools' schemas) once for the batch, rather than once per prompt.
+        static_cache (`bool`, *optional*, defaults to `True`):
+            Hold the key/values in a cache allocated once per batch with room for the completions (transformers'
+            `StaticCache`, without compilation), where the model's layers are plain full attention; `False` grows
+            the cache a token at a time (`DynamicCache`), which copies it at every step.
     """
 
     def __init__(
@@ -153,11 +213,14 @@ class TransformersEngine(GenerationEngine):
         bf16: bool | None = None,
         model_init_kwargs: dict | None = None,
         turn_cache: bool = True,
+        shared_prefix: bool = True,
+        static_cache: bool = True,
     ):
         super().__init__(processing_class, end_of_sequence_ids(model, processing_class))
         self.model, self.training_engine, self.folder = model, None, model.name_or_path
         self.bf16, self.model_init_kwargs = bf16, dict(model_init_kwargs or {})
         self.turn_cache, self.keeping = _TurnCache() if turn_cache else None, False
+        self.shared_prefix, self.static_cache = shared_prefix, static_cache
 
     @classmethod
     def from_config(
@@ -201,6 +264,10 @@ class TransformersEngine(GenerationEngine):
         if self.turn_cache is not None:
             self.turn_cache.take()
 
+    @property
+    def _cache_options(self) -> dict[str, bool]:
+        return {"shared_prefix": self.shared_prefix, "static": self.static_cache}
+
     @torch.no_grad()
     def _generate_share(self, prompts, settings: SamplingSettings, progress):
         model, tokenizer = self.model, text_tokenizer(self.processing_class)
@@ -219,11 +286,10 @@ class TransformersEngine(GenerationEngine):
             with full_weights(model, self.training_engine):
                 for first in range(0, len(prompts), settings.batch_size):
                     batch = prompts[first : first + settings.batch_size]
-                    inputs = _TurnCache.inputs(model, kept, batch, pad_id) if kept and copies == 1 else None
-                    with autocast(model.device, self.bf16):  # the prompts' shared key/values too
-                        if inputs is None:
-                            inputs = tokenizer.pad({"input_ids": batch}, padding_side="left", return_tensors="pt")
-                            inputs = _prompt_cache_inputs(model, dict(inputs.to(model.device)), copies)
+                    with autocast(model.device, self.bf16):  # the prompts' key/values too
+                        inputs = _generation_inputs(
+                            model, batch, pad_id, copies, settings.max_new_tokens, kept, **self._cache_options
+                        )
                         outputs = model.generate(
                             **inputs,
                             do_sample=not settings.is_greedy,
@@ -233,6 +299,7 @@ class TransformersEngine(GenerationEngine):
                             max_new_tokens=settings.max_new_tokens,
                             pad_token_id=pad_id,
                             return_dict_in_generate=True,
+                            disable_compile=True,  # a compilation per batch shape costs more than it saves here
                         )
                     new = outputs.sequences[:, inputs["input_ids"].size(1) :].tolist()
                     if self.keeping:
