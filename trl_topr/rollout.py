@@ -297,8 +297,7 @@ def _tool_loop(
             break
         seed = None if sampling.seed is None else sampling.seed + 7919 * iteration
         room = limit - min(len(ids[i]) for i in pending)
-        rows = sampling.batch_size * (1 if sampling.is_greedy else sampling.num_samples)  # as many as the first turn's
-        turn_sampling = sampling.replace(num_samples=1, max_new_tokens=room, seed=seed, batch_size=rows)
+        turn_sampling = sampling.replace(num_samples=1, max_new_tokens=room, seed=seed)
         turns: Generations = engine.generate([prompt_ids[owner[i]] + ids[i] for i in pending], turn_sampling, False)
         for n, i in enumerate(pending):
             new = turns.completion_ids[n][: limit - len(ids[i])]
