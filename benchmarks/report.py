@@ -217,9 +217,9 @@ def ratio(folder: str, name: str, row: int) -> str:
 V2_PLAN_TOTAL = r"at least \d+ runs, [\d.]+ h to go on one process.*h"  # the plan's last line, its totals
 
 
-def tool_turns_speedup(folder: str) -> str:
-    """How many times as fast multi-turn sampling ran with the key/values kept (median seconds, B / A)."""
-    return f"{load(folder)['speedup']:.2f}"
+def tool_turns_speedup(folder: str, engine: str = "after") -> str:
+    """How many times as fast multi-turn sampling ran on `engine` as before (median seconds, before / engine)."""
+    return f"{load(folder)['speedup'][engine]:.2f}"
 
 
 def iterative_v2_start(folder: str) -> str:
@@ -1151,11 +1151,12 @@ QUOTES: dict[str, tuple] = {
     "sampling.sampler": (ratio, "sampling", "ratio (target >= 0.9)", 0),
     "sampling.precompute": (ratio, "sampling", "ratio (target >= 0.9)", 1),
     "sampling.fused": (ratio, "sampling", "ratio (target >= 0.9)", 2),
-    # multi-turn sampling with the calculator, key/values kept between turns or recomputed
+    # multi-turn sampling with the calculator: as before, key/values kept between turns, every key/value once
     "tool-turns.table": (table, "tool-turns"),
     "tool-turns.machine": (machine, "tool-turns"),
     "tool-turns.commit": (commit, "tool-turns"),
     "tool-turns.speedup": (tool_turns_speedup, "tool-turns"),
+    "tool-turns.speedup.turns": (tool_turns_speedup, "tool-turns", "turns"),
     "sampling-vllm.table": (table, "sampling-vllm"),
     "sampling-vllm.machine": (machine, "sampling-vllm"),
     "sampling-vllm.commit": (commit, "sampling-vllm"),
