@@ -213,3 +213,55 @@ def test_a_model_that_mixes_flattened_rows_is_refused_before_anything_is_written
         train_dataset=uneven_dataset(),
         processing_class=tokenizer,
     ).train()
+
+
+def test_bucketed_lengths_are_few_and_pad_at_most_a_quarter():
+    from trl_topr.data import bucketed_length
+
+    lengths = range(1, 16385)
+    padded = [bucketed_length(n) for n in lengths]
+    assert all(n <= p for n, p in zip(lengths, padded)) and padded == sorted(padded)
+    assert all(p % 128 == 0 for p in padded)
+    assert all(p <= 1.25 * n for n, p in zip(lengths, padded) if n > 512)  # at most a quarter of padding
+    assert len(set(padded)) == 4 + 4 * math.log2(16384 / 512)  # 4 lengths up to 512, then 4 per doubling
+    assert all(bucketed_length(n, 96) % 96 == 0 and bucketed_length(n, 96) >= n for n in range(1, 3000, 7))
+
+
+def test_flex_attention_compiles_once_per_length_bucket_and_scores_as_unbucketed(tiny_model_path):
+    # Flex attention compiles its block mask and its kernel for each new length of a padding-free batch when shapes are
+    # specialized (as a GPU run showed; on CPU torch would otherwise go dynamic after the second length, so the test
+    # specializes them). Padded to length buckets, 24 batches of random lengths compile 2 graphs per bucket met, not
+    # per length; their log-probs are those of the same batches unbucketed (sdpa, no compilation). Forward only: torch
+    # has no flex attention backward on CPU (the GPU kit's padding-free test trains).
+    import random
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from trl_topr.data import bucketed_length
+    from trl_topr.logprobs import LogpsSettings, behavior_logps
+
+    generator = random.Random(0)
+    rows = []
+    for _ in range(24 * 4):
+        ids = [generator.randrange(5, 200) for _ in range(generator.randint(20, 200))]
+        rows.append({"input_ids": ids, "labels": [-100] * (len(ids) // 2) + ids[len(ids) // 2 :]})
+    totals = [sum(len(row["input_ids"]) for row in rows[i : i + 4]) for i in range(0, len(rows), 4)]
+    buckets = {bucketed_length(total) for total in totals}
+    assert len(set(totals)) >= 20 and len(buckets) <= 7  # 80 to 800 tokens: buckets of 128 up to 896
+    settings = LogpsSettings(pad_token_id=0, batch_size=4, padding_free=True)
+    flex = AutoModelForCausalLM.from_pretrained(tiny_model_path, attn_implementation="flex_attention")
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=64):
+        bucketed = behavior_logps(flex, rows, settings)
+    assert counters["stats"]["unique_graphs"] <= 2 * len(buckets)  # create_block_mask and flex_attention, per bucket
+    torch._dynamo.reset()
+    unbucketed = behavior_logps(AutoModelForCausalLM.from_pretrained(tiny_model_path), rows, settings)
+    assert [len(values) for values in bucketed] == [len(row["input_ids"]) - len(row["input_ids"]) // 2 for row in rows]
+    torch.testing.assert_close(
+        torch.tensor([v for values in bucketed for v in values]),
+        torch.tensor([v for values in unbucketed for v in values]),
+        atol=ATOL,
+        rtol=0,
+    )

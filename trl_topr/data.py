@@ -480,11 +480,61 @@ def check_and_truncate_tokens(dataset: Dataset, max_length: int | None, dataset_
     return dataset.map(truncate, desc=f"Truncating {dataset_name} dataset")
 
 
+def bucketed_length(length: int, multiple: int | None = None) -> int:
+    """
+    The length a padding-free batch of `length` tokens is padded to with length buckets: the next multiple of 128 up
+    to 512 tokens, then of a quarter of the power of two below it (640, 768, 896, 1024, 1280, ...), so 4 lengths per
+    doubling and at most 25% padding; also a multiple of `multiple` (`pad_to_multiple_of`). A run of batches of any
+    lengths up to N tokens then has at most `4 + 4 * log2(N / 512)` distinct lengths: flex attention compiles its
+    kernels and its block mask once per length (see [`PaddingFreeCollator`]).
+
+    Args:
+        length (`int`):
+            The batch's tokens, its rows laid end to end.
+        multiple (`int`, *optional*):
+            A multiple the length must also be.
+
+    Returns:
+        `int`: the padded length, at least `length`.
+    """
+    step = 128 if length <= 512 else 2 ** (math.floor(math.log2(length - 1)) - 2)
+    step = math.lcm(step, multiple or 1)
+    return -(-length // step) * step
+
+
 @dataclass
-class DataCollatorForTOPR(DataCollatorForLanguageModeling):
+class PaddingFreeCollator(DataCollatorForLanguageModeling):
+    """
+    TRL's [`~trl.trainer.sft_trainer.DataCollatorForLanguageModeling`], which can pad a padding-free batch up to a
+    bucket of lengths ([`bucketed_length`]). With flex attention, every new length of a padding-free batch compiles
+    flex attention's kernels and its block mask again; buckets bound how many lengths a run meets. The padding is
+    TRL's (`pad_to_multiple_of`'s): padding tokens, each a sequence of its own at position 0, labelled -100, so no
+    completion row (see [`~trl_topr.logprobs.completion_rows`]) and no part of the loss.
+
+    Args:
+        length_buckets (`bool`, *optional*, defaults to `False`):
+            Pad each padding-free batch to its bucket. No effect on padded batches.
+    """
+
+    length_buckets: bool = False
+
+    def torch_call(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        if not (self.padding_free and self.length_buckets):
+            return super().torch_call(examples)
+        multiple = self.pad_to_multiple_of
+        self.pad_to_multiple_of = bucketed_length(sum(len(example["input_ids"]) for example in examples), multiple)
+        try:  # TRL pads the one flattened row to a multiple: this batch's bucket
+            return super().torch_call(examples)
+        finally:
+            self.pad_to_multiple_of = multiple
+
+
+@dataclass
+class DataCollatorForTOPR(PaddingFreeCollator):
     """
     Data collator for TOPR: TRL's [`~trl.trainer.sft_trainer.DataCollatorForLanguageModeling`] (right padding,
-    `labels` at -100 outside the completion) plus the rewards and behavior log-probs.
+    `labels` at -100 outside the completion; padding-free batches padded to a bucket of lengths with
+    `length_buckets`, see [`PaddingFreeCollator`]) plus the rewards and behavior log-probs.
 
     Each example needs `input_ids`, `labels`, `reward` and `behavior_logps` (a float, or one float per completion
     token). The batch adds:

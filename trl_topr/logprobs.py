@@ -14,6 +14,7 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 from trl.trainer.utils import add_fused_lm_head
 
 from .compat import CHECKPOINTING
+from .data import PaddingFreeCollator
 from .distributed import full_weights, is_meta_model, map_across_processes
 from .precision import autocast as inference_autocast
 from .precision import training_autocast
@@ -57,6 +58,13 @@ def is_padding_free(inputs: dict[str, torch.Tensor]) -> bool:
     """Whether `inputs` is a padding-free batch (TRL's layout: rows laid end to end in one, `position_ids` restarting
     at 0 for each, no `attention_mask`), as `DataCollatorForLanguageModeling(padding_free=True)` makes it."""
     return "attention_mask" not in inputs and "position_ids" in inputs
+
+
+def compiles_per_length(model: torch.nn.Module) -> bool:
+    """Whether `model`'s attention compiles once per padding-free batch length (flex attention), so that its
+    padding-free batches are padded to a bucket of lengths (see [`~trl_topr.data.PaddingFreeCollator`])."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(getattr(base, "config", None), "_attn_implementation", None) == "flex_attention"
 
 
 def completion_rows(values: torch.Tensor, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,7 +268,8 @@ def behavior_logps(
     Returns:
         `list[list[float]]`: one value per completion token of each row, in order.
     """
-    collator = DataCollatorForLanguageModeling(pad_token_id=settings.pad_token_id, padding_free=settings.padding_free)
+    buckets = compiles_per_length(model)
+    collator = PaddingFreeCollator(settings.pad_token_id, padding_free=settings.padding_free, length_buckets=buckets)
     with_fused_lm_head(model)
     device = next(model.parameters()).device
     batch_size = settings.batch_size

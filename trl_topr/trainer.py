@@ -41,6 +41,7 @@ from .logprobs import (
     LogpsSettings,
     behavior_logps,
     check_sequences_kept_apart,
+    compiles_per_length,
     completion_logps,
     completion_row,
     completion_rows,
@@ -268,6 +269,7 @@ class TOPRTrainer(SFTTrainer):
             pad_token_id=self._tokenizer.pad_token_id,
             padding_free=self.args.padding_free,
             pad_to_multiple_of=self.args.pad_to_multiple_of,
+            length_buckets=compiles_per_length(self.model),
         )
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
         if self.args.padding_free:  # before any forward of flattened rows: the precompute's, training's
