@@ -24,13 +24,14 @@ optimizer states, gradients, activations, allocator slack; CPU RSS is coarse, so
 Precision: as trl-topr picks it (bf16 autocast where its probe finds bf16 faster, else fp32), the same
 for every trainer; --fp32 forces fp32.
 
-On CUDA (--device cuda): bf16 mixed precision (float32 weights, TRL's default on a GPU), step times synchronized with
-the device, peak memory = `torch.cuda.max_memory_allocated` of the run. --arch qwen2.5-0.5b builds Qwen2.5-0.5B's
-architecture (494M parameters, vocabulary 151,936) with random weights: a step's time and memory do not depend on the
-weights' values. --qlora loads the base in 4-bit NF4 (bf16 compute) with LoRA r=16 on every linear layer, for SFT and
-TOPR alike. Model FLOPs per step: 6 x N x tokens for full fine-tuning, 4 x N x tokens for QLoRA (the frozen base has
-no weight gradients), N = the parameters of the matrix products (the tied LM head counted once), attention ignored;
-MFU = those FLOPs per second over the bf16 matrix-product rate measured on the same device at the start (8192^3).
+On CUDA (--device cuda): bf16 mixed precision (float32 weights, TRL's default on a GPU; --full_bf16 loads the weights
+in bf16 too), step times synchronized with the device, peak memory = `torch.cuda.max_memory_allocated` of the run.
+--arch qwen2.5-0.5b builds Qwen2.5-0.5B's architecture (494M parameters, vocabulary 151,936) with random weights: a
+step's time and memory do not depend on the weights' values. --qlora loads the base in 4-bit NF4 (bf16 compute) with
+LoRA r=16 on every linear layer, for SFT and TOPR alike. Model FLOPs per step: 6 x N x tokens for full fine-tuning, 4 x
+N x tokens for QLoRA (the frozen base has no weight gradients), N = the parameters of the matrix products (the tied LM
+head counted once), attention ignored; MFU = those FLOPs per second over the bf16 matrix-product rate measured on the
+same device at the start (8192^3).
 
 --profile runs torch.profiler over every step but the first, in the first repetition, and prints per profiled step
 each trainer's total and its operators with the most self time (on CUDA: the device time of the kernels they launch;
@@ -207,8 +208,16 @@ def common_args(spec: dict) -> dict:
         "learning_rate": 1e-5,
         "dataloader_num_workers": 0,
         "max_length": PROMPT_TOKENS + spec["length"] + 8,
-        **({"model_init_kwargs": {"attn_implementation": spec["attn"]}} if spec.get("attn") else {}),
+        **({"model_init_kwargs": model_init_kwargs(spec)} if model_init_kwargs(spec) else {}),
         **({"padding_free": True} if spec.get("padding_free") else {}),
+    }
+
+
+def model_init_kwargs(spec: dict) -> dict:
+    """The models' `from_pretrained` options: the attention implementation, and bf16 weights with --full_bf16."""
+    return {
+        **({"attn_implementation": spec["attn"]} if spec.get("attn") else {}),
+        **({"dtype": "bfloat16"} if spec.get("full_bf16") else {}),
     }
 
 
@@ -428,6 +437,11 @@ def main(argv=None) -> str:
         help="the models' attention (e.g. flex_attention, flash_attention_2; default: transformers')",
     )
     parser.add_argument(
+        "--full_bf16",
+        action="store_true",
+        help="weights in bf16 too (full bf16 training, no float32 master weights; CUDA)",
+    )
+    parser.add_argument(
         "--padding_free",
         action="store_true",
         help="SFT and TOPR padding-free (not with --mix, whose arms choose their layouts)",
@@ -439,7 +453,7 @@ def main(argv=None) -> str:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     name = "cost" + "-mix" * args.mix + "-cuda" * (args.device == "cuda") + "-qlora" * args.qlora
-    name += "-pf" * args.padding_free + "-profile" * args.profile
+    name += "-bf16" * args.full_bf16 + "-pf" * args.padding_free + "-profile" * args.profile
     out = Path(args.out or ROOT / (f"outputs/{name}-quick" if args.quick else f"benchmarks/results/{name}"))
     started = time.time()
     if args.worker:
@@ -476,6 +490,7 @@ def main(argv=None) -> str:
                     "profile": args.profile,
                     "attn": args.attn_implementation,
                     "padding_free": args.padding_free,
+                    "full_bf16": args.full_bf16,
                     "out": str(Path(tmp) / "out"),
                     "data": str(Path(tmp) / f"data-{length}-{batch}.json"),
                 }
@@ -532,6 +547,7 @@ def main(argv=None) -> str:
     else:
         where = "CPU"
     precision = "bf16 autocast" if bf16(args.fp32, args.device) else "fp32"
+    precision = "bf16 weights, " + precision if args.full_bf16 else precision
     if args.qlora:
         precision = "NF4 4-bit base + LoRA r=16 (all linear layers), " + precision
     extra = "; KTO = policy + reference forwards on matched and mismatched (KL) pairs" if kto else ""

@@ -7,6 +7,8 @@ import re
 import shutil
 import subprocess
 import sys
+import zipfile
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -215,6 +217,55 @@ def test_provenance_command_records_a_command_its_log_and_kept_files(tmp_path):
     subprocess.run([*command[:3], "--append", "--log", "fail.txt", "--", "python", "-c", "exit(0)"])
     runs = json.loads((out / "provenance.json").read_text())["runs"]
     assert [(r["log"], r["exit_status"]) for r in runs] == [("log.txt", 0), ("fail.txt", 0)]
+
+
+def test_gpu_kit_carries_what_the_image_lacks_or_holds_too_old_and_nothing_it_has():
+    kit = load("gpu_kit")
+    image = kit.read_image()
+    carry, reached = kit.plan(image)
+    assert {"trl", "datasets", "bitsandbytes", "dill", "multiprocess", "pyarrow"} <= carry.keys()
+    assert not {"torch", "accelerate", "numpy", "huggingface-hub", "tokenizers"} & carry.keys()
+    assert carry["trl"] == metadata.version("trl")  # the versions the tests run with here
+    # transformers: the image's is older than pyproject's lower bound, so it is carried; as new as ours, it is not
+    assert image["transformers"] != metadata.version("transformers") and "transformers" in carry
+    assert "transformers" not in kit.plan(image | {"transformers": metadata.version("transformers")})[0]
+    assert {"torch", "accelerate"} <= reached
+
+
+def test_gpu_kit_trims_a_wheel_that_still_installs(tmp_path):
+    # A wheel with a library per CUDA version, trimmed to one: the files and their RECORD lines go, pip installs it.
+    kit = load("gpu_kit")
+    wheel = tmp_path / "demo-1.0-py3-none-any.whl"
+    files = {
+        "demo/__init__.py": "VALUE = 1\n",
+        "demo/libdemo_cuda118.so": "x" * 100,
+        "demo/libdemo_cuda130.so": "y",
+        "demo/libdemo_cpu.so": "z",
+        "demo-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: demo\nVersion: 1.0\n",
+        "demo-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, text in files.items():
+            archive.writestr(name, text)
+        record = [f"{name},,{len(text)}" for name, text in files.items()] + ["demo-1.0.dist-info/RECORD,,"]
+        archive.writestr("demo-1.0.dist-info/RECORD", "\n".join(record) + "\n")
+    kit.trim(wheel, re.compile(r"libdemo_(?!cpu|cuda130\.)\w+\.so$"))
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        assert "demo/libdemo_cuda118.so" not in names and "demo/libdemo_cuda130.so" in names
+        assert "libdemo_cuda118" not in archive.read("demo-1.0.dist-info/RECORD").decode()
+    site = tmp_path / "kit" / "site-packages"
+    kit.install(tmp_path, site)  # the folder holds the one wheel
+    assert sorted(p.name for p in (site / "demo").iterdir()) == ["__init__.py", "libdemo_cpu.so", "libdemo_cuda130.so"]
+    # the bitsandbytes and pyarrow rules keep what the image's torch and trl-topr load
+    rules = kit.trims("130")
+    kept = ["bitsandbytes/libbitsandbytes_cuda130.so", "bitsandbytes/libbitsandbytes_cpu.so"]
+    kept += ["pyarrow/libarrow_python.so.2600", "pyarrow/_parquet.cpython-312-x86_64-linux-gnu.so"]
+    dropped = ["bitsandbytes/libbitsandbytes_cuda128.so", "bitsandbytes/libbitsandbytes_rocm72.so"]
+    dropped += ["pyarrow/libarrow_flight.so.2600", "pyarrow/_s3fs.cpython-312-x86_64-linux-gnu.so"]
+    dropped += ["pyarrow/libarrow_python.so", "pyarrow/include/arrow/api.h"]
+    rule = {name: rules[name.split("/")[0]] for name in kept + dropped}
+    assert [bool(rule[name].search(name)) for name in kept + dropped] == [False] * len(kept) + [True] * len(dropped)
 
 
 def test_iterative_benchmark_resumes_and_gives_every_method_the_same_budget(capsys, tmp_path):
