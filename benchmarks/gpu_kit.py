@@ -124,7 +124,7 @@ def build(out: Path, python: str, cuda: str, limit_mib: float = LIMIT_MIB) -> li
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     platforms = [f"--platform={p}" for p in PLATFORMS]
-    command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(out)]
+    command = [sys.executable, "-m", "pip", "download", "-qq", "--no-deps", "--only-binary=:all:", "-d", str(out)]
     command += ["--python-version", python, "--implementation", "cp", *platforms]
     subprocess.run(command + [f"{name}=={version}" for name, version in carry.items()], check=True)
     wheels = sorted(out.glob("*.whl"))
@@ -162,7 +162,7 @@ def install(wheelhouse: Path, site: Path) -> None:
         else:
             wanted.append(str(wheel))
     site.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile"]
+    command = [sys.executable, "-m", "pip", "install", "-qq", "--no-index", "--no-deps", "--no-compile"]
     subprocess.run(command + ["--no-cache-dir", "--upgrade", "--target", str(site), *wanted], check=True)
     for name in ("torch", "triton", "nvidia"):
         if (site / name).exists():
@@ -181,7 +181,7 @@ def rehearse(work: Path, cuda: str) -> None:
     venv = work / "venv"
     start = time.perf_counter()
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-qq"]
     subprocess.run(pip + [f"torch=={metadata.version('torch').split('+')[0]}"], check=True)
     image = read_image()
     _, reached = plan(image, python)
