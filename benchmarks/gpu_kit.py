@@ -12,6 +12,7 @@ not as user code), ahead of the image's packages on the path; torch and the CUDA
     python benchmarks/gpu_kit.py                    # build .whl/ for the image (Python 3.12, CUDA 13.0)
     python benchmarks/gpu_kit.py --rehearse         # and rehearse the install here: a fresh venv with torch and the
                                                     # image's packages, the kit built for this Python, gpu.sh's setup
+                                                    # and its rehearsal part
     python benchmarks/gpu_kit.py --install .whl --site DIR/site-packages   # on the GPU machine (gpu.sh does it)
 """
 
@@ -204,6 +205,7 @@ def main() -> None:
     parser.add_argument("--python", default="3.12", help="the GPU image's Python")
     parser.add_argument("--cuda", default="130", help="the image's CUDA, as bitsandbytes names it")
     parser.add_argument("--rehearse", action="store_true", help="rehearse the GPU install here, in a fresh venv")
+    parser.add_argument("--work", type=Path, help="with --rehearse: an empty folder for it (default: a temporary one)")
     parser.add_argument("--install", type=Path, help="on the GPU: install this wheelhouse into --site")
     parser.add_argument("--site", type=Path, help="with --install: a folder whose path contains site-packages")
     args = parser.parse_args()
@@ -211,6 +213,8 @@ def main() -> None:
         if args.site is None or "site-packages" not in args.site.parts:
             parser.error("--install needs --site, a folder whose path contains site-packages")
         install(args.install, args.site)
+    elif args.rehearse and args.work:
+        rehearse(args.work, args.cuda)
     elif args.rehearse:
         with tempfile.TemporaryDirectory(prefix="gpu-kit-") as work:
             rehearse(Path(work), args.cuda)
