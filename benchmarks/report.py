@@ -222,6 +222,17 @@ def tool_turns_speedup(folder: str, engine: str = "after") -> str:
     return f"{load(folder)['speedup'][engine]:.2f}"
 
 
+def gpu_kit_size(folder: str) -> str:
+    """The GPU kit's size, from its build's last line: "50.40 MiB in 7 wheels"."""
+    return re.search(r"[\d.]+ MiB in \d+ wheels", load(folder, "build.txt")).group(0)
+
+
+def gpu_kit_rehearsal(folder: str) -> str:
+    """Each part of the rehearsal and its exit status: "rehearsal 0, rehearsal-tests 0"."""
+    parts = re.findall(r"^== ([\w-]+): exit (\d+)", load(folder, "rehearsal.txt"), re.MULTILINE)
+    return ", ".join(f"{name} {status}" for name, status in parts)
+
+
 def iterative_v2_start(folder: str) -> str:
     """The test split's sampled pass@1 at round 0 (the starting model; its samples differ by seed): "0.200-0.201"."""
     starts = [entry["rounds"][0]["test/pass@1"] for entry in ledger(folder).runs.values()]
@@ -1157,6 +1168,10 @@ QUOTES: dict[str, tuple] = {
     "tool-turns.commit": (commit, "tool-turns"),
     "tool-turns.speedup": (tool_turns_speedup, "tool-turns"),
     "tool-turns.speedup.turns": (tool_turns_speedup, "tool-turns", "turns"),
+    "gpu-kit.size": (gpu_kit_size, "gpu-kit"),
+    "gpu-kit.rehearsal": (gpu_kit_rehearsal, "gpu-kit"),
+    "gpu-kit.machine": (machine, "gpu-kit"),
+    "gpu-kit.commit": (commit, "gpu-kit"),
     "sampling-vllm.table": (table, "sampling-vllm"),
     "sampling-vllm.machine": (machine, "sampling-vllm"),
     "sampling-vllm.commit": (commit, "sampling-vllm"),
