@@ -51,12 +51,17 @@ over the time of the second epoch's steps, in which every arm trains every row o
                 in megabatches of 50 batches (here the whole dataset is one), trained in that order. (On a dataset
                 of fewer than 200 batches the sampler itself groups in smaller megabatches, and pads more.)
 "padded share" is the share of padding in the tokens of the collated batches (`input_ids`) of each padded arm.
+With `--attn_implementation flex_attention`, which compiles once per batch shape, every arm pads to a few shapes:
+padded batches to a multiple of 128 tokens, padding-free ones to TOPR's length buckets (SFT-pf too, through
+`trl_topr.data.PaddingFreeCollator`).
 
 Writes `results.json` (every run's step times, totals and peaks) and `table.md`, with their provenance, to --out
-(default benchmarks/results/cost, cost-mix with --mix, cost-cuda on a GPU, outputs/ with --quick).
+(default benchmarks/results/cost, cost-mix with --mix, cost-cuda on a GPU, outputs/ with --quick), again after each
+cell, so that a run stopped on a time limit keeps the cells it finished.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -265,6 +270,7 @@ def worker(spec: dict) -> dict:
     from trl import KTOConfig, KTOTrainer, SFTConfig, SFTTrainer
 
     from trl_topr import TOPRConfig, TOPRTrainer
+    from trl_topr.data import PaddingFreeCollator
 
     disable_caching()
     torch.manual_seed(0)
@@ -302,6 +308,9 @@ def worker(spec: dict) -> dict:
             name, kw = name[: -len(suffix)], {**kw, **options}
     if name == "SFT" and kw.get("padding_free"):
         kw["max_length"] = None  # TRL's SFT enforces no max_length padding-free without packing (rows are shorter)
+    flex = spec.get("attn") == "flex_attention"  # compiled once per batch shape: a few shapes, not one per batch
+    if flex and not kw.get("padding_free"):
+        kw["pad_to_multiple_of"] = 128  # padded batches' widths; TOPR's padding-free batches go to length buckets
     qlora = qlora_configs(spec)
     threading.Thread(target=sample, daemon=True).start()
     start = time.perf_counter()
@@ -321,6 +330,9 @@ def worker(spec: dict) -> dict:
         trainer = TOPRTrainer(
             model, args=TOPRConfig(**kw), train_dataset=Dataset.from_dict(rows), callbacks=[Timer()], **qlora
         )
+    if flex and name == "SFT" and kw.get("padding_free"):  # TRL's collator, with TOPR's length buckets
+        fields = {f.name: getattr(trainer.data_collator, f.name) for f in dataclasses.fields(trainer.data_collator)}
+        trainer.data_collator = PaddingFreeCollator(**fields, length_buckets=True)
     collate, held = trainer.data_collator, []  # the tokens each collated batch holds, padding included
 
     def counting(examples):
@@ -504,6 +516,12 @@ def main(argv=None) -> str:
                         runs[name].append(run_worker(dict(spec, trainer=name, profile=args.profile and rep == 0)))
                 results.append((length, batch, runs))
                 print(f"done L={length} B={batch} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+                table = write(args, out, results, arch, steps, trainers, params, peak_tflops, t0, started, argv)
+    return table
+
+
+def write(args, out, results, arch, steps, trainers, params, peak_tflops, t0, started, argv) -> str:
+    """Print and save the table of the cells finished so far (see the module's docstring)."""
 
     def step(runs):  # median over all steps but the first of each run
         return statistics.median(t for r in runs for t in (r["times"][1:] or r["times"]))
@@ -632,6 +650,12 @@ def mix_main(args, out: Path, started: float, argv) -> str:
             assert len(tokens) == 1, f"the arms trained different tokens: {runs}"  # the same rows, tokenized alike
             results.append((batch, tokens.pop(), runs))
             print(f"done B={batch} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+            table = write_mix(args, out, results, arch, longest, steps_per_epoch, t0, started, argv)
+    return table
+
+
+def write_mix(args, out, results, arch, longest, steps_per_epoch, t0, started, argv) -> str:
+    """--mix: print and save the table of the batch sizes finished so far."""
 
     def rate(runs, tokens):  # the second epoch: every row once; median over the repetitions
         return statistics.median(tokens / sum(r["times"][steps_per_epoch:]) for r in runs)

@@ -31,9 +31,16 @@
 #   rehearsal     not on a GPU: what a GPU run does before its parts, then a quick CPU run through trl, datasets
 #                 and bitsandbytes, the GPU tests' collection, and qlora-loop's command on the CPU
 #                 (`python benchmarks/gpu_kit.py --rehearse` runs it in a fresh venv)
+#
+# $GPU_ARCHIVE, where set (e.g. to a folder's gpu.tgz where only a few files can be fetched back), is rewritten
+# after each part with the whole results folder. The exit status is 1 where a part failed or was skipped.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
+if ! command -v python >/dev/null; then  # images where Python is only `python3`
+    mkdir -p /tmp/trl-topr-bin && ln -sf "$(command -v python3)" /tmp/trl-topr-bin/python
+    export PATH="/tmp/trl-topr-bin:$PATH"
+fi
 KIT=${GPU_KIT:-.whl}
 if [ -d "$KIT" ]; then
     SITE=${GPU_KIT_SITE:-/tmp/trl-topr-kit/site-packages}
@@ -46,6 +53,7 @@ card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1
     sed -e 's/nvidia //' -e 's/[^a-z0-9]\+/-/g' -e 's/-$//' | cut -d- -f1)
 LOGS=${GPU_LOGS:-benchmarks/results/gpu-${card:-unknown}}
 mkdir -p "$LOGS"
+failed=0
 
 run() {  # run NAME LIMIT_S COMMAND...: within LIMIT_S and what is left of the budget; its log in $LOGS/NAME.log
     local name=$1 limit=$2 left=$((BUDGET - (SECONDS - START))) start=$SECONDS
@@ -53,14 +61,17 @@ run() {  # run NAME LIMIT_S COMMAND...: within LIMIT_S and what is left of the b
     if [ "$left" -lt 20 ]; then
         echo "== $name: skipped, ${left} s of the budget left"
         echo "$name" >>"$LOGS/skipped.txt"
+        failed=1
         return
     fi
     [ "$limit" -gt "$left" ] && limit=$left
     echo "== $name (at most $limit s): $*"
-    python benchmarks/provenance.py "$LOGS" --append --log "$name.log" -- timeout "$limit" "$@" >/dev/null
+    python benchmarks/provenance.py "$LOGS" --append --log "$name.log" -- timeout -k 10 "$limit" "$@" >/dev/null
     local status=$?
+    [ "$status" -ne 0 ] && failed=1
     tail -n 20 "$LOGS/$name.log"
     echo "== $name: exit $status in $((SECONDS - start)) s"
+    [ -n "${GPU_ARCHIVE:-}" ] && tar czf "$GPU_ARCHIVE" -C "$LOGS" .
 }
 
 parts=("$@")
@@ -78,14 +89,14 @@ fi
 arch=(--device cuda --arch qwen2.5-0.5b)
 for part in "${parts[@]}"; do
     case $part in
-        tests) run tests 120 python -m pytest -q -m gpu -rs tests ;;
-        padding-free) run padding-free 120 python benchmarks/cost.py --mix "${arch[@]}" --batches 8 \
+        tests) run tests 90 python -m pytest -q -m gpu -rs tests ;;
+        padding-free) run padding-free 200 python benchmarks/cost.py --mix "${arch[@]}" --batches 8 \
             --attn_implementation flex_attention --out "$LOGS/padding-free" ;;
-        mfu) run mfu 90 python benchmarks/cost.py "${arch[@]}" --trainers SFT TOPR --full_bf16 --lengths 1024 \
+        mfu) run mfu 150 python benchmarks/cost.py "${arch[@]}" --trainers SFT TOPR --full_bf16 --lengths 1024 \
             --batches 8 --steps 8 --out "$LOGS/mfu" ;;
         qlora-loop) run qlora-loop 120 python recipes/gsm8k.py "${loop_model[@]}" --use_cpu false \
             --load_in_4bit true --use_peft true --lora_target_modules all-linear --output_dir outputs/gpu-qlora-loop ;;
-        step) run step 60 python benchmarks/cost.py "${arch[@]}" --trainers SFT TOPR --lengths 256 1024 \
+        step) run step 120 python benchmarks/cost.py "${arch[@]}" --trainers SFT TOPR --lengths 256 1024 \
             --batches 8 --steps 6 --out "$LOGS/step" ;;
         qlora) run qlora 420 python benchmarks/cost.py "${arch[@]}" --trainers SFT TOPR --qlora \
             --lengths 256 1024 --batches 8 --steps 10 --out "$LOGS/qlora" ;;
@@ -103,3 +114,4 @@ for part in "${parts[@]}"; do
     esac
 done
 echo "== done in $((SECONDS - START)) s of $BUDGET; results in $LOGS"
+exit $failed

@@ -146,25 +146,28 @@ def build(out: Path, python: str, cuda: str, limit_mib: float = LIMIT_MIB) -> li
 def install(wheelhouse: Path, site: Path) -> None:
     """
     Install the kit's wheels into `site`, without dependencies and from the kit alone, skipping a wheel whose
-    distribution the running Python already holds at its version or newer; then check that torch stays the one
-    outside `site`.
+    distribution the running Python already holds at its version or newer where `gpu_image.txt` lists it (one it
+    does not list, such as pyarrow, is always installed: the image's may not work); then check that torch stays the
+    one outside `site`.
     """
-    from packaging.version import Version
+    from packaging.version import InvalidVersion, Version
 
-    wanted = []
+    image, wanted = read_image(), []
     for wheel in sorted(wheelhouse.glob("*.whl")):
         name, version = wheel.name.split("-")[:2]
         try:
-            have = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            have = None
-        if have and Version(have) >= Version(version):
+            have = metadata.version(name) if normalize(name) in image else None
+            newer = have is not None and Version(have) >= Version(version)
+        except (metadata.PackageNotFoundError, InvalidVersion):
+            newer = False
+        if newer:
             print(f"kit: {name} {have} already installed, {version} not needed")
         else:
             wanted.append(str(wheel))
     site.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "pip", "install", "-qq", "--no-index", "--no-deps", "--no-compile"]
-    subprocess.run(command + ["--no-cache-dir", "--upgrade", "--target", str(site), *wanted], check=True)
+    if wanted:
+        subprocess.run(command + ["--no-cache-dir", "--upgrade", "--target", str(site), *wanted], check=True)
     for name in ("torch", "triton", "nvidia"):
         if (site / name).exists():
             raise SystemExit(f"the kit installed {name} into {site}: it must come from the image")

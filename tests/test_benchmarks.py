@@ -254,8 +254,12 @@ def test_gpu_kit_trims_a_wheel_that_still_installs(tmp_path):
         names = archive.namelist()
         assert "demo/libdemo_cuda118.so" not in names and "demo/libdemo_cuda130.so" in names
         assert "libdemo_cuda118" not in archive.read("demo-1.0.dist-info/RECORD").decode()
+    # beside it, a wheel of a package the image lists and this Python holds at a newer version: not installed
+    with zipfile.ZipFile(tmp_path / "tqdm-0.0.1-py3-none-any.whl", "w") as archive:
+        archive.writestr("tqdm/__init__.py", "raise ImportError('the image has a newer tqdm')\n")
     site = tmp_path / "kit" / "site-packages"
-    kit.install(tmp_path, site)  # the folder holds the one wheel
+    kit.install(tmp_path, site)
+    assert sorted(p.name for p in site.iterdir() if not p.name.endswith(".dist-info")) == ["demo"]
     assert sorted(p.name for p in (site / "demo").iterdir()) == ["__init__.py", "libdemo_cpu.so", "libdemo_cuda130.so"]
     # the bitsandbytes and pyarrow rules keep what the image's torch and trl-topr load
     rules = kit.trims("130")

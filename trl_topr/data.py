@@ -484,9 +484,10 @@ def bucketed_length(length: int, multiple: int | None = None) -> int:
     """
     The length a padding-free batch of `length` tokens is padded to with length buckets: the next multiple of 128 up
     to 512 tokens, then of a quarter of the power of two below it (640, 768, 896, 1024, 1280, ...), so 4 lengths per
-    doubling and at most 25% padding; also a multiple of `multiple` (`pad_to_multiple_of`). A run of batches of any
-    lengths up to N tokens then has at most `4 + 4 * log2(N / 512)` distinct lengths: flex attention compiles its
-    kernels and its block mask once per length (see [`PaddingFreeCollator`]).
+    doubling and, above 512 tokens, less than 25% padding; also a multiple of `multiple` (`pad_to_multiple_of`),
+    whose steps are then the least common multiples. Without `multiple`, a run of batches of any lengths up to N
+    tokens has at most `4 + 4 * log2(N / 512)` distinct lengths: flex attention compiles its kernels and its block
+    mask once per length (see [`PaddingFreeCollator`]).
 
     Args:
         length (`int`):
@@ -497,7 +498,7 @@ def bucketed_length(length: int, multiple: int | None = None) -> int:
     Returns:
         `int`: the padded length, at least `length`.
     """
-    step = 128 if length <= 512 else 2 ** (math.floor(math.log2(length - 1)) - 2)
+    step = 128 if length <= 512 else 2 ** ((length - 1).bit_length() - 3)
     step = math.lcm(step, multiple or 1)
     return -(-length // step) * step
 
