@@ -222,6 +222,13 @@ def tool_turns_speedup(folder: str, engine: str = "after") -> str:
     return f"{load(folder)['speedup'][engine]:.2f}"
 
 
+def tool_turns_speedup_range(folder: str, engine: str = "after") -> str:
+    """The speed-up of each repetition (before / engine, same repetition), lowest to highest: "1.84-2.37"."""
+    seconds = load(folder)["seconds"]
+    ratios = sorted(b / e for b, e in zip(seconds["before"], seconds[engine]))
+    return f"{ratios[0]:.2f}-{ratios[-1]:.2f}"
+
+
 def gpu_kit_size(folder: str) -> str:
     """The GPU kit's size, from its build's last line: "50.40 MiB in 7 wheels"."""
     return re.search(r"[\d.]+ MiB in \d+ wheels", load(folder, "build.txt")).group(0)
@@ -1168,6 +1175,7 @@ QUOTES: dict[str, tuple] = {
     "tool-turns.commit": (commit, "tool-turns"),
     "tool-turns.speedup": (tool_turns_speedup, "tool-turns"),
     "tool-turns.speedup.turns": (tool_turns_speedup, "tool-turns", "turns"),
+    "tool-turns.speedup.range": (tool_turns_speedup_range, "tool-turns"),
     "gpu-kit.size": (gpu_kit_size, "gpu-kit"),
     "gpu-kit.rehearsal": (gpu_kit_rehearsal, "gpu-kit"),
     "gpu-kit.machine": (machine, "gpu-kit"),
