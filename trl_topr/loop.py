@@ -25,7 +25,7 @@ from trl.trainer.utils import create_model_from_path
 from .baseline import effective_positive_fraction
 from .config import TOPRConfig
 from .data import PROMPT, REWARD, check_prompts
-from .distributed import check_saves_whole_weights, release_trainer, unsharded_loading
+from .distributed import check_saves_whole_weights, give_back_freed_memory, release_trainer, unsharded_loading
 from .environments import EnvironmentFactory, as_environments
 from .evaluation import evaluate_policy
 from .generation import GenerationEngine, generation_engine
@@ -296,6 +296,7 @@ def run_topr_loop(
             release_trainer(trainer)  # the round's model, optimizer and training engine go with it
             del trainer, policy
             clear_device_cache(garbage_collection=True)  # now, not later: a model sits in reference cycles
+            give_back_freed_memory()  # or the allocator's reserve of it grows round after round
     finally:
         generation.close()
     return read_rounds(str(log.output_dir))
