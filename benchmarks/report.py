@@ -1205,6 +1205,7 @@ QUOTES: dict[str, tuple] = {
     # memory round after round
     "memory.table": (file_text, "memory", "table.md"),
     "memory.summary": (memory_summary, "memory"),
+    "memory-before-give-back.summary": (memory_summary, "memory-before-give-back"),
     "memory-trimmed.summary": (memory_summary, "memory-trimmed"),
     "memory-trimmed.zero3_leak": (memory_leak, "zero3-before", "memory-trimmed"),
     # one NVIDIA H100 (logs of benchmarks/gpu.sh)
