@@ -13,6 +13,8 @@ Each run trains SmolLM2-135M-Instruct (the embedded model, float32) for `--round
 samples of <= 16 tokens, 2 evaluation prompts) with TRL's defaults, activation checkpointing included (on unless
 `--checkpointing off`), and records, for every process and round:
 - start: its resident memory at the start of the round, after the rounds before it;
+- peak before training: its peak resident memory from the round's start to its trainer's creation (the policy loaded,
+  its samples generated and saved), since this figure was added;
 - peak: its peak resident memory during the round (`VmHWM`, started again at each round through
   `/proc/self/clear_refs`);
 - live: the start less what the C allocator would give back to the system (glibc's `malloc_trim`) - what the process
@@ -139,14 +141,15 @@ def worker(spec: dict) -> None:
             rounds[round_index] = now
             reset_peak()
 
-        def on_trainer_created(self, round_index, trainer):
+        def on_trainer_created(self, round_index, trainer):  # the round has loaded its policy, sampled and saved
             trainers.append(weakref.ref(trainer))
+            rounds[round_index]["peak_sampling"] = memory()["peak"]
+            reset_peak()
 
         def on_round_end(self, metrics):
             now = memory()
-            rounds.setdefault(metrics["round"], {"round": metrics["round"]}).update(
-                peak=now["peak"], rss_end=now["rss"]
-            )
+            row = rounds.setdefault(metrics["round"], {"round": metrics["round"]})
+            row.update(peak=max(now["peak"], row.get("peak_sampling", 0)), rss_end=now["rss"])
             reset_peak()
             path.write_text(json.dumps({"rounds": list(rounds.values())}))  # each round as it ends
 
@@ -238,6 +241,7 @@ def launch(engine: str, spec: dict, work: Path) -> tuple[list[dict], int]:
 
 COLUMNS = {
     "rss_start": "start GiB",
+    "peak_sampling": "peak before training GiB",  # recorded since this column was added
     "peak": "peak GiB",
     "rss_live": "live GiB",
     "earlier_trainers_alive": "earlier trainers alive",
@@ -247,9 +251,17 @@ COLUMNS = {
 def largest(run: dict) -> list[dict]:
     """Per round of `run`, the largest figure of its processes (round 0 has no start: the process starts in it)."""
     return [
-        {"round": rounds[0]["round"], **{key: max(r.get(key, 0) for r in rounds) for key in COLUMNS}}
+        {
+            "round": rounds[0]["round"],
+            **{key: max(r[key] for r in rounds if key in r) for key in COLUMNS if any(key in r for r in rounds)},
+        }
         for rounds in zip(*(process["rounds"] for process in run["processes"]))
     ]
+
+
+def columns(run: dict) -> list[str]:
+    """The columns `run` recorded (runs before a column was added lack it)."""
+    return [key for key in COLUMNS if any(key in r for process in run["processes"] for r in process["rounds"])]
 
 
 def growth(rounds: list[dict], key: str) -> str:
@@ -267,7 +279,7 @@ def ending(run: dict) -> str:
 
 
 def cell(r: dict | None, key: str) -> str:
-    if r is None or (key != "peak" and r["round"] == 0):
+    if r is None or key not in r or (key != "peak" and r["round"] == 0):
         return "-"
     return str(r[key]) if key == "earlier_trainers_alive" else f"{r[key] / GIB:.2f}"
 
@@ -281,13 +293,14 @@ def report(out: Path) -> str:
     sections = []
     for engine in [e for e in ENGINES if e in runs]:
         labels = {label: largest(run) for label, run in runs[engine].items()}
-        header = ["round"] + [f"{label}: {name}" for label in labels for name in COLUMNS.values()]
+        shown = {label: columns(run) for label, run in runs[engine].items()}
+        header = ["round"] + [f"{label}: {COLUMNS[key]}" for label in labels for key in shown[label]]
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for index in range(max(len(rounds) for rounds in labels.values())):
             cells = [str(index)] + [
                 cell(rounds[index] if index < len(rounds) else None, key)
-                for rounds in labels.values()
-                for key in COLUMNS
+                for label, rounds in labels.items()
+                for key in shown[label]
             ]
             lines.append("| " + " | ".join(cells) + " |")
         processes = "/".join(sorted({str(len(run["processes"])) for run in runs[engine].values()}))

@@ -280,7 +280,7 @@ def memory_growths(folder: str) -> dict:
         second = next(r for r in rounds if r["round"] == 2)
         keys = ("rss_start", "peak", "rss_live")
         growth = {key: max(r[key] for r in rounds if r["round"] > 2) / second[key] - 1 for key in keys}
-        growth["earlier_trainers_alive"] = max(r["earlier_trainers_alive"] for r in rounds)
+        growth["earlier_trainers_alive"] = max(r.get("earlier_trainers_alive", 0) for r in rounds)
         found[run["engine"], run["label"]] = (len(rounds) - 1, growth)
     return found
 
