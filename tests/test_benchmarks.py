@@ -171,9 +171,15 @@ def test_memory_benchmark_puts_labelled_runs_side_by_side(capsys, tmp_path, tiny
     run = json.loads((tmp_path / "single-first.json").read_text())
     (process,) = run["processes"]
     assert [r["round"] for r in process["rounds"]] == [0, 1, 2, 3] and run["exit_status"] == 0
+    # live: the start less what a trim would give back (measured in a forked copy, the process left as it is). The
+    # loop gives freed memory back at each round's end, so start and live are nearly equal, and a tiny model's round
+    # peaks barely above its start: the kernel's resident-memory counters, synced lazily per thread, are exact only
+    # to a few hundred KiB.
+    noise = 2 * 2**20
     for r in process["rounds"][1:]:
-        # live: the start less what a trim would give back (measured in a forked copy, the process left as it is)
-        assert r["peak"] >= r["rss_start"] >= r["rss_live"] > 0 and r["earlier_trainers_alive"] == 0
+        assert r["peak"] >= r["peak_sampling"] > r["rss_start"] - noise
+        assert r["rss_start"] >= r["rss_live"] - noise > 0
+        assert r["earlier_trainers_alive"] == 0
     runs = json.loads((tmp_path / "provenance.json").read_text())["runs"]
     assert [r["command"].split("--label ")[1].split()[0] for r in runs] == ["first", "second"]
 
