@@ -15,6 +15,8 @@ samples of <= 16 tokens, 2 evaluation prompts) with TRL's defaults, activation c
 - start: its resident memory at the start of the round, after the rounds before it;
 - peak before training: its peak resident memory from the round's start to its trainer's creation (the policy loaded,
   its samples generated and saved), since this figure was added;
+- peak in training: its peak resident memory from the trainer's creation to the end of its training (TRL's
+  `on_train_end`), since this figure was added; the rest of the round (saving, evaluating) is what the peak adds;
 - peak: its peak resident memory during the round (`VmHWM`, started again at each round through
   `/proc/self/clear_refs`);
 - live: the start less what the C allocator would give back to the system (glibc's `malloc_trim`) - what the process
@@ -115,6 +117,7 @@ def worker(spec: dict) -> None:
         reapply_fsdp_plugin()
     from accelerate import PartialState
     from accelerate.utils import gather_object
+    from transformers import TrainerCallback
 
     from trl_topr import TOPRConfig, TOPRLoopConfig, run_topr_loop
     from trl_topr.compat import CHECKPOINTING
@@ -122,6 +125,14 @@ def worker(spec: dict) -> None:
     from trl_topr.rewards import extract_final_answer, gsm8k_reward
 
     rounds, trainers = {}, []
+
+    class TrainingPeak(TrainerCallback):
+        def __init__(self, row: dict):
+            self.row = row
+
+        def on_train_end(self, args, state, control, **kwargs):  # the round's training, before it saves and evaluates
+            self.row["peak_training"] = memory()["peak"]
+            reset_peak()
 
     class Measure(LoopCallback):
         def on_round_begin(self, round_index):  # what the rounds before this one left
@@ -145,11 +156,14 @@ def worker(spec: dict) -> None:
             trainers.append(weakref.ref(trainer))
             rounds[round_index]["peak_sampling"] = memory()["peak"]
             reset_peak()
+            trainer.add_callback(TrainingPeak(rounds[round_index]))
 
         def on_round_end(self, metrics):
             now = memory()
             row = rounds.setdefault(metrics["round"], {"round": metrics["round"]})
-            row.update(peak=max(now["peak"], row.get("peak_sampling", 0)), rss_end=now["rss"])
+            row.update(
+                peak=max(now["peak"], row.get("peak_sampling", 0), row.get("peak_training", 0)), rss_end=now["rss"]
+            )
             reset_peak()
             path.write_text(json.dumps({"rounds": list(rounds.values())}))  # each round as it ends
 
@@ -242,6 +256,7 @@ def launch(engine: str, spec: dict, work: Path) -> tuple[list[dict], int]:
 COLUMNS = {
     "rss_start": "start GiB",
     "peak_sampling": "peak before training GiB",  # recorded since this column was added
+    "peak_training": "peak in training GiB",  # recorded since this column was added
     "peak": "peak GiB",
     "rss_live": "live GiB",
     "earlier_trainers_alive": "earlier trainers alive",
