@@ -256,6 +256,44 @@ def test_real_v1_reading():
             assert min(start) / 2 < last < min(start)
 
 
+def test_real_v2_design():
+    # real scale v2 as its design asks, run by run while its ledger grows: 6 rounds of 64 fresh prompts x 4 samples
+    # (a pool of exactly rounds x prompts, gone through once: no training prompt twice in a run), float32, the test
+    # split (256 prompts) at round 0, at 3 later rounds and the last, each test prompt's outcome kept for the pairing
+    v2 = "iterative-real-v2"
+    settings = iterative_results(v2)["settings"]
+    assert settings["rounds"] >= 6 and settings["prompts"] >= 64 and settings["num_samples"] >= 4
+    assert settings["fresh_prompts"] and not settings["bf16"]
+    tested = settings["test_rounds"]
+    assert tested[0] == 0 and tested[-1] == settings["rounds"] and len(tested) >= 4
+    entries = list(report.ledger(v2).runs.values())
+    assert entries
+    for entry in entries:
+        rounds = entry["rounds"]
+        assert [r["round"] for r in rounds] == list(range(settings["rounds"] + 1)) and entry["bf16"] is False
+        assert all(len(rounds[r]["test/correct"]) >= 256 for r in tested)
+        assert all(
+            r["sampled_completions"] == r["round"] * settings["prompts"] * settings["num_samples"] for r in rounds
+        )
+
+
+def test_real_v2_rates_are_interior_where_an_arm_has_chosen():
+    # each swept arm's chosen rate, once it has one, has a worse rate on each side, each run on the sweep's seeds
+    v2 = "iterative-real-v2"
+    results, ledger = iterative_results(v2), report.ledger(v2)
+    seeds = range(results["settings"]["sweep_seeds"])
+    chosen = {m: e for m, e in results["methods"].items() if e["sweep"] and "reference" not in e}
+    assert {"topr_peff0.8", "topr_peff0.8+replay"} <= set(chosen)
+    for method, entry in chosen.items():
+        sweep = {float(lr): score for lr, score in entry["sweep"].items()}
+        lower = [lr for lr in sweep if lr < entry["lr"]]
+        higher = [lr for lr in sweep if lr > entry["lr"]]
+        assert lower and higher, method
+        for lr in (max(lower), min(higher)):
+            assert sweep[lr] < sweep[entry["lr"]]
+            assert all(ledger.get(method, lr, seed) is not None for seed in seeds)
+
+
 def test_offline_default_reading():
     # "What to set": on the learning benchmark's fast scale the target fraction 0.5 is above baseline 0 at two of its
     # three rates (every seed above every seed), overlapping at the third
