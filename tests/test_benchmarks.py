@@ -155,6 +155,22 @@ def test_precision_benchmark_prints_both_precisions_and_the_choice(capsys, tmp_p
     assert results["picks"] == row.split("|")[-2].strip() and results["fp32_gflops"] > 0
 
 
+def test_allocator_benchmark_puts_both_settings_side_by_side(capsys, tmp_path):
+    table = load("allocator").main(["--quick", "--reps", "2", "--out", str(tmp_path)])
+    assert table in capsys.readouterr().out
+    header, _rule, seconds, peak = table.splitlines()
+    assert "MALLOC_MMAP_THRESHOLD_=1048576" in header
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [len(runs) for runs in results["runs"].values()] == [2, 2] and results["checkpointing"] is True
+    median = results["median_seconds"]
+    assert results["seconds_ratio"] == pytest.approx(median["mmap"] / median["default"])
+    assert seconds.split("|")[-2].strip() == f"{results['seconds_ratio']:.2f}"
+    assert all(run["peak"] > 0 for runs in results["runs"].values() for run in runs)
+    assert {run["env"] for run in results["runs"]["default"]} == {None}
+    assert {run["env"] for run in results["runs"]["mmap"]} == {"1048576"}
+    check_provenance(tmp_path, f"python benchmarks/allocator.py --quick --reps 2 --out {tmp_path}")
+
+
 def test_memory_benchmark_puts_labelled_runs_side_by_side(capsys, tmp_path, tiny_model_path):
     memory = load("memory")
     options = ["--model", tiny_model_path, "--prompts", "2", "--max_new_tokens", "4", "--out", str(tmp_path)]
