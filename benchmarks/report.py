@@ -1176,6 +1176,12 @@ QUOTES: dict[str, tuple] = {
     "tool-turns.speedup": (tool_turns_speedup, "tool-turns"),
     "tool-turns.speedup.turns": (tool_turns_speedup, "tool-turns", "turns"),
     "tool-turns.speedup.range": (tool_turns_speedup_range, "tool-turns"),
+    # training with glibc's default allocator against a fixed 1 MiB mmap threshold (the memory docs' advice)
+    "allocator.table": (table, "allocator"),
+    "allocator.machine": (machine, "allocator"),
+    "allocator.commit": (commit, "allocator"),
+    "allocator.seconds_ratio": (result_value, "allocator", "seconds_ratio", "{:.2f}"),
+    "allocator.peak_ratio": (result_value, "allocator", "peak_ratio", "{:.2f}"),
     "gpu-kit.size": (gpu_kit_size, "gpu-kit"),
     "gpu-kit.rehearsal": (gpu_kit_rehearsal, "gpu-kit"),
     "gpu-kit.machine": (machine, "gpu-kit"),
