@@ -165,6 +165,7 @@ def test_allocator_benchmark_puts_both_settings_side_by_side(capsys, tmp_path):
     median = results["median_seconds"]
     assert results["seconds_ratio"] == pytest.approx(median["mmap"] / median["default"])
     assert seconds.split("|")[-2].strip() == f"{results['seconds_ratio']:.2f}"
+    assert peak.split("|")[-2].strip() == f"{results['peak_ratio']:.2f}"
     assert all(run["peak"] > 0 for runs in results["runs"].values() for run in runs)
     assert {run["env"] for run in results["runs"]["default"]} == {None}
     assert {run["env"] for run in results["runs"]["mmap"]} == {"1048576"}
