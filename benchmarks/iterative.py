@@ -67,7 +67,8 @@ from tasks import PRETRAIN_ROWS, pretrain_reverser, product_problems, reversal_a
 SCALES = {
     # prompts: training prompts sampled every round; val / test: held-out prompts; k: samples per held-out prompt;
     # lrs: the on-policy arms' grid; replay_lrs: the replay arms' grid, every rate of it scored (the same-rate table);
-    # test_rounds: the rounds evaluated on the test split (None: every round); methods: the arms of the scale
+    # test_rounds: the rounds evaluated on the test split (None: every round); methods: the arms of the scale;
+    # thresholds, or gains over the start: the test sampled pass@1 whose completions-to-reach `efficiency.md` counts
     "fast": {
         "prompts": 64,
         "num_samples": 8,
@@ -93,6 +94,7 @@ SCALES = {
             for method in ("positives_only", "positives_only+replay", "topr_peff0.8", "topr_peff0.8+replay")
         },
         "run_seconds": 60,
+        "thresholds": [0.8, 0.9],
     },
     # SmolLM2 on two-digit products, where it starts at a low sampled pass@1 (negatives outnumber positives)
     # (its 8-hour budget on 2 cores sets the sizes: 32 prompts, the validation split every round, the test split at
@@ -125,6 +127,7 @@ SCALES = {
             "grpo",
         ],
         "run_seconds": 1200,
+        "gains": [0.05, 0.1],
     },
     # v2 of the real scale, built to separate the methods: fresh training prompts every round (a pool of rounds x
     # prompts, disjoint from validation and test, so that no training prompt comes back within a run), 6 rounds, the
@@ -162,6 +165,7 @@ SCALES = {
         ],
         "references": {"topr+replay": "topr_peff0.8+replay", "reinforce+replay": "topr_peff0.8+replay"},
         "run_seconds": 2400,
+        "gains": [0.05, 0.1],
     },
 }
 QUICK = {

@@ -104,16 +104,25 @@ def summarize(results: dict) -> tuple[str, str]:
     return "\n".join(table) + note, "\n".join(diagnosis)
 
 
-def efficiency_table(results: dict, thresholds=(0.8, 0.9)) -> str:
+def efficiency_table(results: dict) -> str:
     """Markdown: for every arm at its chosen rate, the completions sampled until each seed's test sampled pass@1 first
-    reaches each threshold ("-": never within the run), seed by seed."""
-    rounds = results["settings"]["rounds"]
-    header = ["method", "lr", *[f"to {t:g} (by seed)" for t in thresholds]]
+    reaches each threshold ("-": never within the run), seed by seed. The thresholds are the scale's `thresholds`,
+    or its start plus each of its `gains` (the start: the starting model's test sampled pass@1, the mean over every
+    run), as a scale whose model starts low is judged by what it gains."""
+    settings = results["settings"]
+    rounds = settings["rounds"]
+    thresholds = [(t, f"to {t:g}") for t in settings.get("thresholds") or []]
+    if settings.get("gains"):
+        start = statistics.fmean(
+            at(run[0], "pass@1") for entry in results["methods"].values() for run in complete(entry, rounds)
+        )
+        thresholds = [(start + g, f"to {start + g:.3f} (start + {g:g})") for g in settings["gains"]]
+    header = ["method", "lr", *[f"{label} (by seed)" for _, label in thresholds]]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for method, entry in results["methods"].items():
         runs = complete(entry, rounds)
         if runs:
-            cells = [" / ".join(str(first_reaching(run, t) or "-") for run in runs) for t in thresholds]
+            cells = [" / ".join(str(first_reaching(run, t) or "-") for run in runs) for t, _ in thresholds]
             lines.append("| " + " | ".join([method, f"{entry['lr']:g}", *cells]) + " |")
     return "\n".join(lines) + "\n\nCompletions sampled when the test sampled pass@1 first reached the threshold."
 

@@ -680,22 +680,6 @@ def iterative_importance(folder: str, methods: list[str], lr: float, rounds: lis
     return "\n".join(lines).replace("nan", "-")
 
 
-def iterative_to_threshold(folder: str, gains: tuple[float, ...]) -> str:
-    """Completions sampled until each seed's test sampled pass@1 first reached the start plus each gain (the start:
-    the starting model's mean over every run), at the tested rounds, seed by seed ("-": not within the run)."""
-    results = load(folder)
-    start = mean(at(run[0], "pass@1") for entry in results["methods"].values() for run in entry["runs"])
-    header = ["method", "rate", *[f"to {start + g:.3f} (start + {g:g}), by seed" for g in gains]]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for method, entry in results["methods"].items():
-        cells = [
-            " / ".join(str(iterative_report.first_reaching(run, start + g) or "-") for run in entry["runs"])
-            for g in gains
-        ]
-        lines.append(f"| {method} | {rate_text(entry['lr'])} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def iterative_seed_differences(folder: str, first: str, second: str) -> str:
     """Two arms' difference seed by seed (first minus second), their test sampled pass@1 averaged over the tested
     rounds from 1 on: for results that kept no per-prompt outcomes, where no interval over the prompts exists."""

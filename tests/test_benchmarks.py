@@ -434,6 +434,14 @@ def test_iterative_sample_efficiency_counts_completions_to_the_first_round_at_a_
     ]
     assert report.first_reaching(run, 0.8) == 512 and report.first_reaching(run, 0.9) == 1536
     assert report.first_reaching(run, 0.95) is None
+    # a scale whose model starts low sets its thresholds as gains over the start (the mean of every run's round 0)
+    other = [{**r, "test/pass@1": r["test/pass@1"] - 0.3} for r in run]  # 0.2, 0.55, 0.49, 0.6: the start is 0.35
+    results = {"settings": {"rounds": 3, "gains": [0.3, 0.5]}, "methods": {"topr": {"lr": 1e-5, "runs": [run, other]}}}
+    header, _, row = report.efficiency_table(results).split("\n\n")[0].splitlines()
+    assert "to 0.650 (start + 0.3)" in header and "to 0.850 (start + 0.5)" in header
+    assert row == "| topr | 1e-05 | 512 / - | 512 / - |"
+    results["settings"] = {"rounds": 3, "thresholds": [0.8, 0.9]}  # or absolute thresholds
+    assert report.efficiency_table(results).splitlines()[2] == "| topr | 1e-05 | 512 / - | 1536 / - |"
     assert ledger.validation_scores(
         [
             {"validation/pass@1": 0.9, "validation/pass@1_greedy": 1.0},
