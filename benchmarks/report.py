@@ -153,6 +153,17 @@ def commit(folder: str, which: int = -1) -> str:
     return provenance(folder, which)["commit"][:7]
 
 
+def training_commit(folder: str) -> str:
+    """The commit the calls that trained a ledger's runs ran at (the records that list `runs`; one, abbreviated), where
+    later `--report_only` calls rewrote the tables with newer code."""
+    READ.add(folder)
+    record = json.loads((RESULTS / folder / "provenance.json").read_text())
+    commits = {entry["commit"][:7] for entry in record["runs"] if entry.get("runs")}
+    if len(commits) != 1:
+        raise ValueError(f"{folder}: its runs were trained at {sorted(commits)}, not at one commit")
+    return commits.pop()
+
+
 def command(folder: str) -> str:
     """The command that wrote a folder's results last."""
     return provenance(folder)["command"]
@@ -1065,7 +1076,8 @@ QUOTES: dict[str, tuple] = {
     "iterative-real.machine": (machine, "iterative-real"),
     "iterative-real.sweep": (table, "iterative-real", "sweep.md"),
     # real scale v2, running: its plan and the runs finished so far
-    "iterative-real-v2.commit": (commit, "iterative-real-v2"),
+    "iterative-real-v2.commit": (training_commit, "iterative-real-v2"),
+    "iterative-real-v2.tables_commit": (commit, "iterative-real-v2"),
     "iterative-real-v2.sweep": (table, "iterative-real-v2", "sweep.md"),
     "iterative-real-v2.start": (iterative_v2_start, "iterative-real-v2"),
     "iterative-real-v2-plan.machine": (machine, "iterative-real-v2-plan"),
