@@ -388,6 +388,21 @@ def ledger(folder: str):
     return Ledger(RESULTS / folder)
 
 
+def iterative_to_go(folder: str, scale: str) -> str:
+    """Where a benchmark of `scale` stands, as `--plan` says from its committed ledger (each run still to train at
+    its arm's mean time so far): "20 runs done of at least 41; 29.0 h to go on one process, about 14.5 h on two"."""
+    import iterative
+    import search
+
+    setting = iterative.SCALES[scale]
+    finished = ledger(folder)
+    last = search.plan(setting, setting["methods"], finished).splitlines()[-1]
+    most, hours, two = re.fullmatch(
+        r"In all: (at least \d+|at most \d+) runs, ([\d.]+) h to go on one process;.*about ([\d.]+) h", last
+    ).groups()
+    return f"{len(finished.runs)} runs done of {most}; {hours} h to go on one process, about {two} h on two"
+
+
 def iterative_seconds(folder: str) -> list[float]:
     """The seconds each finished run of a results folder's ledger took, of the runs trained by one call (a resumed
     run's seconds are those of the call that finished it)."""
@@ -1078,6 +1093,7 @@ QUOTES: dict[str, tuple] = {
     # real scale v2, running: its plan and the runs finished so far
     "iterative-real-v2.commit": (training_commit, "iterative-real-v2"),
     "iterative-real-v2.tables_commit": (commit, "iterative-real-v2"),
+    "iterative-real-v2.to_go": (iterative_to_go, "iterative-real-v2", "real-v2"),
     "iterative-real-v2.sweep": (table, "iterative-real-v2", "sweep.md"),
     "iterative-real-v2.start": (iterative_v2_start, "iterative-real-v2"),
     "iterative-real-v2-plan.machine": (machine, "iterative-real-v2-plan"),
