@@ -674,8 +674,8 @@ def interval_text(d) -> str:
 def iterative_importance(folder: str, methods: list[str], lr: float, rounds: list[int]) -> str:
     """The importance weights beside the learning curve, at one rate (mean over the sweep's seeds, from the ledger):
     per round, the test sampled pass@1, the effective sample size and the clamped fraction of the round's training
-    steps (`train/...`, each batch's own, averaged), and the effective sample size of its oldest replayed samples at
-    the start of the round (`age_<k>/...`)."""
+    steps (`train/...`, each batch's own, averaged), and the effective sample size and clamped fraction of its oldest
+    replayed samples at the start of the round (`age_<k>/...`)."""
     finished, seeds = ledger(folder), range(load(folder)["settings"]["sweep_seeds"])
     lines = [
         f"| method ({rate_text(lr)}) | per round | " + " | ".join(f"r{r}" for r in rounds) + " |",
@@ -701,6 +701,9 @@ def iterative_importance(folder: str, methods: list[str], lr: float, rounds: lis
             f"| {method} | clamped fraction, training | " + row(lambda r, i: r["train/clamped_fraction"]) + " |",
             f"| {method} | effective sample size, oldest replayed | "
             + row(lambda r, i: oldest(r, "effective_sample_size"))
+            + " |",
+            f"| {method} | clamped fraction, oldest replayed | "
+            + row(lambda r, i: oldest(r, "clamped_fraction"))
             + " |",
         ]
     return "\n".join(lines).replace("nan", "-")
@@ -937,6 +940,7 @@ FAST_PAIRS = [
 # the ones the prose quotes, by name
 FAST_DIFFERENCES = {
     "q1": (FAST_PAIRS[0], ("area", "last")),
+    "q1_on_policy": (FAST_PAIRS[1], ("area", "last")),
     "peff": (FAST_PAIRS[5], ("area",)),
     "peff_replay": (FAST_PAIRS[6], ("area",)),
     "rate": (FAST_PAIRS[12], ("area", "last")),

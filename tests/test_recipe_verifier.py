@@ -9,10 +9,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from test_recipe_gsm8k import GSM8K, RECIPES
+from test_recipe_gsm8k import GSM8K, RECIPES, gsm8k
 from test_rewards import plus_one, read_gsm8k, reasoning
 
-from trl_topr import extract_verdict
+from trl_topr import TOPRConfig, extract_verdict
 from trl_topr.rewards import answers_match, gold_answer
 
 
@@ -253,3 +253,16 @@ def test_recipe_under_accelerate_launch_with_two_processes(engine, tiny_model_pa
     assert votes[0] == votes[1]  # both processes hold every solution and every score
     assert result.stdout.count("Verifier on the test solutions") == 1  # the main process reports
     assert (tmp_path / "out" / "round-1" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize(
+    "recipe, name",
+    [(gsm8k, "llama3_8b_full"), (gsm8k, "llama3_8b_qlora"), (verifier, "verifier_llama3_8b_qlora")],
+)
+def test_the_papers_configurations_train_with_its_baseline(recipe, name):
+    # the configurations of the paper's setup say "baseline 0": they set it, where the loop's own default (no baseline
+    # set) would train TOPR with a target positive fraction of 0.8
+    parsed = recipe.make_parser().parse_args_and_config(["--config", str(RECIPES / "configs" / f"{name}.yaml")])
+    (args,) = [a for a in parsed if isinstance(a, TOPRConfig)]
+    assert args.baseline == 0.0 and args.target_positive_fraction is None
+    assert "baseline 0" in (RECIPES / "configs" / f"{name}.yaml").read_text().split("\n# TOPRLoopConfig")[0]
