@@ -164,6 +164,13 @@ def training_commit(folder: str) -> str:
     return commits.pop()
 
 
+def tables_commit(folder: str) -> str:
+    """The commit of the last `--report_only` call of a folder's record (the code that wrote its tables)."""
+    READ.add(folder)
+    record = json.loads((RESULTS / folder / "provenance.json").read_text())
+    return [entry for entry in record["runs"] if "--report_only" in entry["command"]][-1]["commit"][:7]
+
+
 def command(folder: str) -> str:
     """The command that wrote a folder's results last."""
     return provenance(folder)["command"]
@@ -1096,7 +1103,7 @@ QUOTES: dict[str, tuple] = {
     "iterative-real.sweep": (table, "iterative-real", "sweep.md"),
     # real scale v2, running: its plan and the runs finished so far
     "iterative-real-v2.commit": (training_commit, "iterative-real-v2"),
-    "iterative-real-v2.tables_commit": (commit, "iterative-real-v2"),
+    "iterative-real-v2.tables_commit": (tables_commit, "iterative-real-v2"),
     "iterative-real-v2.to_go": (iterative_to_go, "iterative-real-v2", "real-v2"),
     "iterative-real-v2.sweep": (table, "iterative-real-v2", "sweep.md"),
     "iterative-real-v2.start": (iterative_v2_start, "iterative-real-v2"),
