@@ -63,10 +63,15 @@ def load(folder: str, name: str = "results.json"):
     return json.loads(text) if name.endswith(".json") else text
 
 
+def records(folder: str) -> list[dict]:
+    """The entries of a folder's record (`provenance.json`), one per call, in order."""
+    READ.add(folder)
+    return json.loads((RESULTS / folder / "provenance.json").read_text())["runs"]
+
+
 def provenance(folder: str, which: int = -1) -> dict:
     """An entry of a folder's record, by default the last: the command that wrote its results last."""
-    READ.add(folder)
-    return json.loads((RESULTS / folder / "provenance.json").read_text())["runs"][which]
+    return records(folder)[which]
 
 
 def tables(text: str) -> list[str]:
@@ -156,9 +161,7 @@ def commit(folder: str, which: int = -1) -> str:
 def training_commit(folder: str) -> str:
     """The commit the calls that trained a ledger's runs ran at (the records that list `runs`; one, abbreviated), where
     later `--report_only` calls rewrote the tables with newer code."""
-    READ.add(folder)
-    record = json.loads((RESULTS / folder / "provenance.json").read_text())
-    commits = {entry["commit"][:7] for entry in record["runs"] if entry.get("runs")}
+    commits = {entry["commit"][:7] for entry in records(folder) if entry.get("runs")}
     if len(commits) != 1:
         raise ValueError(f"{folder}: its runs were trained at {sorted(commits)}, not at one commit")
     return commits.pop()
@@ -166,9 +169,7 @@ def training_commit(folder: str) -> str:
 
 def tables_commit(folder: str) -> str:
     """The commit of the last `--report_only` call of a folder's record (the code that wrote its tables)."""
-    READ.add(folder)
-    record = json.loads((RESULTS / folder / "provenance.json").read_text())
-    return [entry for entry in record["runs"] if "--report_only" in entry["command"]][-1]["commit"][:7]
+    return [entry for entry in records(folder) if "--report_only" in entry["command"]][-1]["commit"][:7]
 
 
 def command(folder: str) -> str:

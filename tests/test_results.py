@@ -281,10 +281,10 @@ def test_real_v2_design():
 def test_every_real_scale_run_names_its_call(folder):
     # each run of the ledger is listed by exactly one record of the call that trained it (recorded or listed
     # afterwards where the call did not), and every listed run is in the ledger
-    record = json.loads((report.RESULTS / folder / "provenance.json").read_text())
-    listed = [(method, f"{lr:g}", seed) for entry in record["runs"] for method, lr, seed in entry.get("runs", [])]
+    record = report.records(folder)
+    listed = [(method, f"{lr:g}", seed) for entry in record for method, lr, seed in entry.get("runs", [])]
     assert sorted(listed) == sorted(report.ledger(folder).runs)
-    for entry in record["runs"]:
+    for entry in record:
         methods = entry["command"].split("--methods ")[1].split(" --")[0].split() if entry.get("runs") else []
         assert all(method in methods for method, _, _ in entry.get("runs", []))
 
