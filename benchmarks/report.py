@@ -404,11 +404,13 @@ def iterative_to_go(folder: str, scale: str) -> str:
 
     setting = iterative.SCALES[scale]
     finished = ledger(folder)
-    last = search.plan(setting, setting["methods"], finished).splitlines()[-1]
-    most, hours, two = re.fullmatch(
-        r"In all: (at least \d+|at most \d+) runs, ([\d.]+) h to go on one process;.*about ([\d.]+) h", last
-    ).groups()
-    return f"{len(finished.runs)} runs done of {most}; {hours} h to go on one process, about {two} h on two"
+    arms = search.estimate(setting, setting["methods"], finished)
+    hours = sum(a["hours"] for a in arms)
+    bound = "at least" if "start_lr" in setting else "at most"
+    return (
+        f"{len(finished.runs)} runs done of {bound} {sum(a['runs'] for a in arms)}; {hours:.1f} h to go on one "
+        f"process, about {hours / 2:.1f} h on two"
+    )
 
 
 def iterative_seconds(folder: str) -> list[float]:

@@ -96,15 +96,16 @@ def sweep(setting: dict, method: str, score, ledger) -> dict | None:
     )
 
 
-def plan(setting: dict, methods: list[str], ledger) -> str:
+def estimate(setting: dict, methods: list[str], ledger) -> list[dict]:
     """The runs the protocol may train, arm by arm (every grid rate on the sweep seeds, then the other seeds at the
-    best rate, and the rates past an edge where the scale follows them), with those already in the ledger, and the
+    best rate, and the rates past an edge where the scale follows them), with those already in the ledger and the
     estimated hours of the rest: each run at the mean seconds of the arm's finished runs, else of all finished runs,
-    else the scale's `run_seconds` estimate."""
+    else the scale's `run_seconds` estimate. One dict per method: `method`, `rates` (in words), `runs` (at least, for
+    a bracket; at most, for a grid), `done`, `minutes` (a run) and `hours` (to go)."""
     finished = [e["seconds"] for e in ledger.runs.values() if not e["resumed"]]
     default = statistics.fmean(finished) if finished else setting["run_seconds"]
-    lines, total_todo, total_runs = [], 0.0, 0
     others = setting["seeds"] - setting["sweep_seeds"]  # seeds run at the best rate only
+    arms = []
     for method in methods:
         if reference(setting, method):
             rates_text = f"at the best rate of {reference(setting, method)}, not swept"
@@ -121,16 +122,26 @@ def plan(setting: dict, methods: list[str], ledger) -> str:
         done = sum(m == method for m, _, _ in ledger.runs)
         own = [e["seconds"] for (m, _, _), e in ledger.runs.items() if m == method and not e["resumed"]]
         each = statistics.fmean(own) if own else default
-        todo = max(most - done, 0) * each / 3600
-        total_todo, total_runs = total_todo + todo, total_runs + most
-        lines.append(
-            f"{method}: {rates_text} on seeds 0-{setting['sweep_seeds'] - 1}, then seeds up to "
-            f"{setting['seeds'] - 1} at the best: {'at least' if 'start_lr' in setting else 'at most'} {most} runs, "
-            f"{done} done, {each / 60:.0f} min a run, {todo:.1f} h to go"
+        hours = max(most - done, 0) * each / 3600
+        arms.append(
+            {"method": method, "rates": rates_text, "runs": most, "done": done, "minutes": each / 60, "hours": hours}
         )
+    return arms
+
+
+def plan(setting: dict, methods: list[str], ledger) -> str:
+    """`estimate` in words, one line per method and one for all of them."""
+    bound = "at least" if "start_lr" in setting else "at most"
+    arms = estimate(setting, methods, ledger)
+    lines = [
+        f"{a['method']}: {a['rates']} on seeds 0-{setting['sweep_seeds'] - 1}, then seeds up to "
+        f"{setting['seeds'] - 1} at the best: {bound} {a['runs']} runs, {a['done']} done, {a['minutes']:.0f} min a "
+        f"run, {a['hours']:.1f} h to go"
+        for a in arms
+    ]
+    hours = sum(a["hours"] for a in arms)
     lines.append(
-        f"In all: {'at least' if 'start_lr' in setting else 'at most'} {total_runs} runs, {total_todo:.1f} h to go on "
-        f"one process; two processes with one thread each, --methods split between them: about "
-        f"{total_todo / 2:.1f} h"
+        f"In all: {bound} {sum(a['runs'] for a in arms)} runs, {hours:.1f} h to go on "
+        f"one process; two processes with one thread each, --methods split between them: about {hours / 2:.1f} h"
     )
     return "\n".join(lines)
