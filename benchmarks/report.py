@@ -955,6 +955,7 @@ FAST_DIFFERENCES = {
     "peff_replay": (FAST_PAIRS[6], ("area",)),
     "rate": (FAST_PAIRS[12], ("area", "last")),
 }
+V2_PEFF_PAIR = ("topr_peff0.8+replay", "topr+replay")  # the loop's default against the paper's setting
 BEFORE = "iterative-easy-before-replay"  # the real scale as first run: on-policy rounds, the earlier protocol
 ON_POLICY_ARMS = [m for m in ARMS if not ARMS[m].replay]  # the iterative benchmark's arms
 REPLAY_ARMS = [m for m in ARMS if ARMS[m].replay]
@@ -1110,6 +1111,19 @@ QUOTES: dict[str, tuple] = {
     "iterative-real-v2.to_go": (iterative_to_go, "iterative-real-v2", "real-v2"),
     "iterative-real-v2.sweep": (table, "iterative-real-v2", "sweep.md"),
     "iterative-real-v2.start": (iterative_v2_start, "iterative-real-v2"),
+    # v2's one pair whose arms are both complete: TOPR with the target 0.8 and replay (swept, its rate interior, 3
+    # seeds) against the paper's baseline 0 with replay at that rate (a reference, 3 seeds)
+    "iterative-real-v2.curves.peff_replay": (iterative_curves, "iterative-real-v2", list(V2_PEFF_PAIR)),
+    "iterative-real-v2.paired.peff_replay": (iterative_paired, "iterative-real-v2", [V2_PEFF_PAIR]),
+    **{
+        f"iterative-real-v2.difference.peff_replay.{which}": (
+            iterative_difference,
+            "iterative-real-v2",
+            *V2_PEFF_PAIR,
+            which,
+        )
+        for which in ("area", "last")
+    },
     "iterative-real-v2-plan.machine": (machine, "iterative-real-v2-plan"),
     "iterative-real-v2-plan.total": (log_match, "iterative-real-v2-plan", "log.txt", V2_PLAN_TOTAL),
     "iterative-real.table": (iterative_table, "iterative-real"),

@@ -277,6 +277,25 @@ def test_real_v2_design():
         )
 
 
+def test_real_v2_target_against_baseline_0_reading():
+    # "What to set" and README: at real scale v2, TOPR with the target 0.8 and replay (its rate interior, 3 seeds) is
+    # above the paper's baseline 0 with replay run at that rate as the reference (3 seeds), on the area and the last
+    # round; baseline 0 with replay does not rise above the starting model there (round 6 against round 0, paired)
+    v2 = "iterative-real-v2"
+    results = iterative_results(v2)
+    target, paper = results["methods"]["topr_peff0.8+replay"], results["methods"]["topr+replay"]
+    assert paper["reference"] == "topr_peff0.8+replay" and paper["lr"] == target["lr"]
+    assert len(target["runs"]) == len(paper["runs"]) == results["settings"]["seeds"] == 3
+    assert reading("topr_peff0.8+replay", "topr+replay", "area", folder=v2) == "above"
+    assert reading("topr_peff0.8+replay", "topr+replay", "last", folder=v2) == "above"
+    k, last = results["settings"]["k"], results["settings"]["rounds"]
+    scores = report.paired_stats.prompt_scores
+    change = report.paired_stats.bootstrap(
+        [[a - b for a, b in zip(scores(run, [last], k), scores(run, [0], k))] for run in paper["runs"]]
+    )
+    assert change.low <= 0
+
+
 @pytest.mark.parametrize("folder", ["iterative-real", "iterative-real-v2"])
 def test_every_real_scale_run_names_its_call(folder):
     # each run of the ledger is listed by exactly one record of the call that trained it (recorded or listed

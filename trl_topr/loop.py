@@ -55,9 +55,9 @@ logger = get_logger(__name__)
 
 # The loop's baseline where the training configuration sets none (neither `baseline` nor `target_positive_fraction`)
 # for TOPR's loss: each round's baseline makes its positives carry this share of the weight. The iterative benchmark's
-# fast scale puts it above the paper's baseline 0, on-policy and with replay, by paired intervals; the first real
-# scale's seeds point the same way (docs/benchmarks.md, "What to set"; benchmarks/results/iterative-fast and
-# iterative-real). `baseline=0.0` is the paper's setting, one flag away.
+# fast scale puts it above the paper's baseline 0, on-policy and with replay, and its second real scale with replay,
+# by paired intervals (docs/benchmarks.md, "What to set"; benchmarks/results/iterative-fast and iterative-real-v2).
+# `baseline=0.0` is the paper's setting, one flag away.
 LOOP_TARGET_POSITIVE_FRACTION = 0.8
 METRICS_FILE = "metrics.jsonl"
 EVALUATION_FILE = "evaluation"  # round-<r>/evaluation[-<name>].jsonl: each held-out prompt's outcome
@@ -196,8 +196,8 @@ def run_topr_loop(
             `num_train_epochs` on its data (or `max_steps` steps, when set), with a fresh optimizer and schedule;
             `seed` + r seeds round r's sampling, `seed` the evaluation's; `disable_tqdm` hides the progress bars.
             Where it sets no baseline (neither `baseline` nor `target_positive_fraction`), TOPR's rounds train with
-            `target_positive_fraction=0.8` (`LOOP_TARGET_POSITIVE_FRACTION`: what the iterative benchmark's fast
-            scale found above the paper's baseline 0); `baseline=0.0` is the paper's setting.
+            `target_positive_fraction=0.8` (`LOOP_TARGET_POSITIVE_FRACTION`: what the iterative benchmark found
+            above the paper's baseline 0 at both scales); `baseline=0.0` is the paper's setting.
         eval_prompts ([`~datasets.Dataset`] or `dict[str, Dataset]`, *optional*):
             Held-out prompts evaluated after every round with [`evaluate_policy`] (needs `correct_func` and
             `answer_func`). A dict evaluates each of its datasets, as TRL's `eval_dataset` does, and names each metric
