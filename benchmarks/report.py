@@ -659,6 +659,27 @@ def iterative_curves(folder: str, methods: list[str] | None = None) -> str:
     return "\n".join(lines)
 
 
+def complete_arms(folder: str) -> list[str]:
+    """The arms of a results folder with a chosen rate (a sweep's best, or a reference's) run on every seed."""
+    results = load(folder)
+    return [m for m, entry in results["methods"].items() if len(entry["runs"]) == results["settings"]["seeds"]]
+
+
+def iterative_complete_curves(folder: str) -> str:
+    """`iterative_curves` of the complete arms (`complete_arms`)."""
+    return iterative_curves(folder, complete_arms(folder))
+
+
+def iterative_complete_pairs(folder: str, pairs: list[tuple[str, str]]) -> str:
+    """`iterative_paired` of the pairs whose two arms are complete (`complete_arms`), and the pairs still waiting."""
+    done = complete_arms(folder)
+    ready = [pair for pair in pairs if set(pair) <= set(done)]
+    waiting = "; ".join(f"{first} against {second}" for first, second in pairs if (first, second) not in ready)
+    return "\n\n".join(
+        ([iterative_paired(folder, ready)] if ready else []) + ([f"Waiting for an arm: {waiting}."] if waiting else [])
+    )
+
+
 def iterative_rate_curves(folder: str, arms: list[tuple[str, float]]) -> str:
     """Learning curves with intervals of arms at given rates (every seed run there, from the ledger): test sampled
     pass@1 after every tested round, and greedy pass@1 after the last, each the mean over seeds and test prompts with
@@ -955,7 +976,20 @@ FAST_DIFFERENCES = {
     "peff_replay": (FAST_PAIRS[6], ("area",)),
     "rate": (FAST_PAIRS[12], ("area", "last")),
 }
-V2_PEFF_PAIR = ("topr_peff0.8+replay", "topr+replay")  # the loop's default against the paper's setting
+# real scale v2's questions (first minus second): the loop's default against the paper's setting, the fast scale's
+# first question and its on-policy twin, TOPR against positives-only on-policy, replay against on-policy (the
+# default of `replay_rounds`) for each, and the references
+V2_PAIRS = [
+    ("topr_peff0.8+replay", "topr+replay"),
+    ("topr_peff0.8+replay", "positives_only+replay"),
+    ("topr_peff0.8+replay", "positives_only"),
+    ("topr_peff0.8", "positives_only"),
+    ("topr_peff0.8+replay", "topr_peff0.8"),
+    ("positives_only+replay", "positives_only"),
+    ("topr_peff0.8+replay", "reinforce+replay"),
+    ("topr_peff0.8+replay", "grpo"),
+]
+V2_DIFFERENCES = {"peff_replay": V2_PAIRS[0]}  # the ones the prose quotes, by name
 BEFORE = "iterative-easy-before-replay"  # the real scale as first run: on-policy rounds, the earlier protocol
 ON_POLICY_ARMS = [m for m in ARMS if not ARMS[m].replay]  # the iterative benchmark's arms
 REPLAY_ARMS = [m for m in ARMS if ARMS[m].replay]
@@ -1111,17 +1145,13 @@ QUOTES: dict[str, tuple] = {
     "iterative-real-v2.to_go": (iterative_to_go, "iterative-real-v2", "real-v2"),
     "iterative-real-v2.sweep": (table, "iterative-real-v2", "sweep.md"),
     "iterative-real-v2.start": (iterative_v2_start, "iterative-real-v2"),
-    # v2's one pair whose arms are both complete: TOPR with the target 0.8 and replay (swept, its rate interior, 3
-    # seeds) against the paper's baseline 0 with replay at that rate (a reference, 3 seeds)
-    "iterative-real-v2.curves.peff_replay": (iterative_curves, "iterative-real-v2", list(V2_PEFF_PAIR)),
-    "iterative-real-v2.paired.peff_replay": (iterative_paired, "iterative-real-v2", [V2_PEFF_PAIR]),
+    # v2's questions, each read once both its arms are complete (an arm's rate interior to its sweep, or a reference
+    # at its arm's rate, on every seed)
+    "iterative-real-v2.curves": (iterative_complete_curves, "iterative-real-v2"),
+    "iterative-real-v2.paired": (iterative_complete_pairs, "iterative-real-v2", V2_PAIRS),
     **{
-        f"iterative-real-v2.difference.peff_replay.{which}": (
-            iterative_difference,
-            "iterative-real-v2",
-            *V2_PEFF_PAIR,
-            which,
-        )
+        f"iterative-real-v2.difference.{name}.{which}": (iterative_difference, "iterative-real-v2", *pair, which)
+        for name, pair in V2_DIFFERENCES.items()
         for which in ("area", "last")
     },
     "iterative-real-v2-plan.machine": (machine, "iterative-real-v2-plan"),

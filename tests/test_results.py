@@ -286,6 +286,10 @@ def test_real_v2_target_against_baseline_0_reading():
     target, paper = results["methods"]["topr_peff0.8+replay"], results["methods"]["topr+replay"]
     assert paper["reference"] == "topr_peff0.8+replay" and paper["lr"] == target["lr"]
     assert len(target["runs"]) == len(paper["runs"]) == results["settings"]["seeds"] == 3
+    # the docs' tables read an arm once it has run on every seed, and only then
+    complete = report.complete_arms(v2)
+    assert {"topr_peff0.8+replay", "topr+replay"} <= set(complete)
+    assert all((m in complete) == (len(e["runs"]) == 3) for m, e in results["methods"].items())
     assert reading("topr_peff0.8+replay", "topr+replay", "area", folder=v2) == "above"
     assert reading("topr_peff0.8+replay", "topr+replay", "last", folder=v2) == "above"
     k, last = results["settings"]["k"], results["settings"]["rounds"]
