@@ -300,6 +300,20 @@ def test_real_v2_target_against_baseline_0_reading():
     assert change.low <= 0
 
 
+def test_replay_rounds_default_reading():
+    # "What to set": `replay_rounds` defaults to 0 because neither scale puts replay above on-policy rounds for TOPR
+    # with the target 0.8 over the tested rounds: tied on the area at the fast scale (above after the last round),
+    # tied on both at real scale v2, each arm there at its own interior rate on 3 seeds
+    from trl_topr import TOPRLoopConfig
+
+    assert TOPRLoopConfig().replay_rounds == 0
+    assert tied("topr_peff0.8+replay", "topr_peff0.8") and above("topr_peff0.8+replay", "topr_peff0.8", "last")
+    v2 = "iterative-real-v2"
+    assert {"topr_peff0.8+replay", "topr_peff0.8"} <= set(report.complete_arms(v2))
+    assert reading("topr_peff0.8+replay", "topr_peff0.8", "area", folder=v2) == "tied"
+    assert reading("topr_peff0.8+replay", "topr_peff0.8", "last", folder=v2) == "tied"
+
+
 @pytest.mark.parametrize("folder", ["iterative-real", "iterative-real-v2"])
 def test_every_real_scale_run_names_its_call(folder):
     # each run of the ledger is listed by exactly one record of the call that trained it (recorded or listed
