@@ -989,7 +989,8 @@ V2_PAIRS = [
     ("topr_peff0.8+replay", "reinforce+replay"),
     ("topr_peff0.8+replay", "grpo"),
 ]
-V2_DIFFERENCES = {"peff_replay": V2_PAIRS[0], "replay": V2_PAIRS[4]}  # the ones the prose quotes, by name
+# the ones the prose quotes, by name
+V2_DIFFERENCES = {"peff_replay": V2_PAIRS[0], "replay": V2_PAIRS[4], "q1_on_policy": V2_PAIRS[2], "peff": V2_PAIRS[3]}
 BEFORE = "iterative-easy-before-replay"  # the real scale as first run: on-policy rounds, the earlier protocol
 ON_POLICY_ARMS = [m for m in ARMS if not ARMS[m].replay]  # the iterative benchmark's arms
 REPLAY_ARMS = [m for m in ARMS if ARMS[m].replay]

@@ -314,6 +314,16 @@ def test_replay_rounds_default_reading():
     assert reading("topr_peff0.8+replay", "topr_peff0.8", "last", folder=v2) == "tied"
 
 
+def test_real_v2_topr_against_positives_only_reading():
+    # "What to set" and README: at real scale v2, TOPR with the target 0.8 is tied with on-policy positives-only, with
+    # replay and on-policy, on the area and the last round (each arm at its interior rate, 3 seeds)
+    v2 = "iterative-real-v2"
+    assert {"topr_peff0.8+replay", "topr_peff0.8", "positives_only"} <= set(report.complete_arms(v2))
+    for arm in ("topr_peff0.8+replay", "topr_peff0.8"):
+        assert reading(arm, "positives_only", "area", folder=v2) == "tied"
+        assert reading(arm, "positives_only", "last", folder=v2) == "tied"
+
+
 @pytest.mark.parametrize("folder", ["iterative-real", "iterative-real-v2"])
 def test_every_real_scale_run_names_its_call(folder):
     # each run of the ledger is listed by exactly one record of the call that trained it (recorded or listed
