@@ -406,10 +406,9 @@ def iterative_to_go(folder: str, scale: str) -> str:
     finished = ledger(folder)
     arms = search.estimate(setting, setting["methods"], finished)
     hours = sum(a["hours"] for a in arms)
-    bound = "at least" if "start_lr" in setting else "at most"
     return (
-        f"{len(finished.runs)} runs done of {bound} {sum(a['runs'] for a in arms)}; {hours:.1f} h to go on one "
-        f"process, about {hours / 2:.1f} h on two"
+        f"{len(finished.runs)} runs done of {search.bound(setting)} {sum(a['runs'] for a in arms)}; "
+        f"{hours:.1f} h to go on one process, about {hours / 2:.1f} h on two"
     )
 
 

@@ -96,6 +96,11 @@ def sweep(setting: dict, method: str, score, ledger) -> dict | None:
     )
 
 
+def bound(setting: dict) -> str:
+    """How a scale's run count reads: "at least" for a bracket (it may extend), "at most" for a grid."""
+    return "at least" if "start_lr" in setting else "at most"
+
+
 def estimate(setting: dict, methods: list[str], ledger) -> list[dict]:
     """The runs the protocol may train, arm by arm (every grid rate on the sweep seeds, then the other seeds at the
     best rate, and the rates past an edge where the scale follows them), with those already in the ledger and the
@@ -131,17 +136,16 @@ def estimate(setting: dict, methods: list[str], ledger) -> list[dict]:
 
 def plan(setting: dict, methods: list[str], ledger) -> str:
     """`estimate` in words, one line per method and one for all of them."""
-    bound = "at least" if "start_lr" in setting else "at most"
     arms = estimate(setting, methods, ledger)
     lines = [
         f"{a['method']}: {a['rates']} on seeds 0-{setting['sweep_seeds'] - 1}, then seeds up to "
-        f"{setting['seeds'] - 1} at the best: {bound} {a['runs']} runs, {a['done']} done, {a['minutes']:.0f} min a "
-        f"run, {a['hours']:.1f} h to go"
+        f"{setting['seeds'] - 1} at the best: {bound(setting)} {a['runs']} runs, {a['done']} done, "
+        f"{a['minutes']:.0f} min a run, {a['hours']:.1f} h to go"
         for a in arms
     ]
     hours = sum(a["hours"] for a in arms)
     lines.append(
-        f"In all: {bound} {sum(a['runs'] for a in arms)} runs, {hours:.1f} h to go on "
+        f"In all: {bound(setting)} {sum(a['runs'] for a in arms)} runs, {hours:.1f} h to go on "
         f"one process; two processes with one thread each, --methods split between them: about {hours / 2:.1f} h"
     )
     return "\n".join(lines)
