@@ -701,42 +701,61 @@ def interval_text(d) -> str:
     return f"{d.estimate:.3f} [{d.low:.3f}, {d.high:.3f}]"
 
 
-def iterative_importance(folder: str, methods: list[str], lr: float, rounds: list[int]) -> str:
-    """The importance weights beside the learning curve, at one rate (mean over the sweep's seeds, from the ledger):
-    per round, the test sampled pass@1, the effective sample size and the clamped fraction of the round's training
-    steps (`train/...`, each batch's own, averaged), and the effective sample size and clamped fraction of its oldest
-    replayed samples at the start of the round (`age_<k>/...`)."""
-    finished, seeds = ledger(folder), range(load(folder)["settings"]["sweep_seeds"])
-    lines = [
-        f"| method ({rate_text(lr)}) | per round | " + " | ".join(f"r{r}" for r in rounds) + " |",
+def importance_rows(method: str, runs: list[list[dict]], rounds: list[int], validation: bool = False) -> list[str]:
+    """One arm's rows of an importance table (mean over `runs`): per round, the test sampled pass@1 (and with
+    `validation` the validation's, scored every round), the effective sample size and the clamped fraction of the
+    round's training steps (`train/...`, each batch's own, averaged), and the effective sample size and clamped
+    fraction of its oldest replayed samples at the start of the round (`age_<k>/...`)."""
+
+    def row(label: str, value) -> str:
+        return f"| {method} | {label} | " + " | ".join(f"{mean(value(run[r]) for run in runs):.2f}" for r in rounds)
+
+    def oldest(r: dict, key: str) -> float:
+        ages = [int(k.split("/")[0].removeprefix("age_")) for k in r if k.startswith("age_") and k.endswith("/rows")]
+        return r[f"age_{max(ages)}/{key}"] if ages and max(ages) > 0 else float("nan")
+
+    lines = [row("test sampled pass@1", lambda r: at(r, "pass@1"))]
+    if validation:
+        lines.append(row("validation sampled pass@1", lambda r: r["validation/pass@1"]))
+    lines += [
+        row("effective sample size, training", lambda r: r["train/effective_sample_size"]),
+        row("clamped fraction, training", lambda r: r["train/clamped_fraction"]),
+        row("effective sample size, oldest replayed", lambda r: oldest(r, "effective_sample_size")),
+        row("clamped fraction, oldest replayed", lambda r: oldest(r, "clamped_fraction")),
+    ]
+    return [line.replace("nan", "-") + " |" for line in lines]
+
+
+def importance_header(label: str, rounds: list[int]) -> list[str]:
+    return [
+        f"| {label} | per round | " + " | ".join(f"r{r}" for r in rounds) + " |",
         "|---|---|" + "---|" * len(rounds),
     ]
+
+
+def iterative_importance(folder: str, methods: list[str], lr: float, rounds: list[int]) -> str:
+    """The importance weights beside the learning curve, at one rate (mean over the sweep's seeds, from the ledger):
+    `importance_rows` of each arm."""
+    finished, seeds = ledger(folder), range(load(folder)["settings"]["sweep_seeds"])
+    lines = importance_header(f"method ({rate_text(lr)})", rounds)
     for method in methods:
-        runs = [e["rounds"] for seed in seeds if (e := finished.get(method, lr, seed)) is not None]
+        lines += importance_rows(
+            method, [e["rounds"] for s in seeds if (e := finished.get(method, lr, s)) is not None], rounds
+        )
+    return "\n".join(lines)
 
-        def row(value, runs=runs) -> str:
-            return " | ".join(f"{mean(value(run[r], r) for run in runs):.2f}" for r in rounds)
 
-        def oldest(r: dict, key: str) -> float:
-            ages = [
-                int(k.split("/")[0].removeprefix("age_")) for k in r if k.startswith("age_") and k.endswith("/rows")
-            ]
-            return r[f"age_{max(ages)}/{key}"] if ages and max(ages) > 0 else float("nan")
-
-        lines += [
-            f"| {method} | test sampled pass@1 | " + row(lambda r, i: at(r, "pass@1")) + " |",
-            f"| {method} | effective sample size, training | "
-            + row(lambda r, i: r["train/effective_sample_size"])
-            + " |",
-            f"| {method} | clamped fraction, training | " + row(lambda r, i: r["train/clamped_fraction"]) + " |",
-            f"| {method} | effective sample size, oldest replayed | "
-            + row(lambda r, i: oldest(r, "effective_sample_size"))
-            + " |",
-            f"| {method} | clamped fraction, oldest replayed | "
-            + row(lambda r, i: oldest(r, "clamped_fraction"))
-            + " |",
-        ]
-    return "\n".join(lines).replace("nan", "-")
+def iterative_complete_importance(folder: str, methods: list[str], rounds: list[int]) -> str:
+    """The importance weights beside the learning curve of those of `methods` that are complete (`complete_arms`),
+    each at its chosen rate on every seed, the validation scored every round beside the test: `importance_rows`;
+    and the arms still waiting."""
+    results, done = load(folder), complete_arms(folder)
+    lines = importance_header("method (rate)", rounds)
+    for method in [m for m in methods if m in done]:
+        label = f"{method} ({rate_text(results['methods'][method]['lr'])})"
+        lines += importance_rows(label, arm_runs(folder, method), rounds, validation=True)
+    waiting = [m for m in methods if m not in done]
+    return "\n".join(lines) + (f"\n\nWaiting for an arm: {', '.join(waiting)}." if waiting else "")
 
 
 def iterative_seed_differences(folder: str, first: str, second: str) -> str:
@@ -1149,6 +1168,12 @@ QUOTES: dict[str, tuple] = {
     # at its arm's rate, on every seed)
     "iterative-real-v2.curves": (iterative_complete_curves, "iterative-real-v2"),
     "iterative-real-v2.paired": (iterative_complete_pairs, "iterative-real-v2", V2_PAIRS),
+    "iterative-real-v2.importance": (
+        iterative_complete_importance,
+        "iterative-real-v2",
+        ["reinforce+replay", "topr+replay", "topr_peff0.8+replay"],
+        list(range(1, 7)),
+    ),
     **{
         f"iterative-real-v2.difference.{name}.{which}": (iterative_difference, "iterative-real-v2", *pair, which)
         for name, pair in V2_DIFFERENCES.items()

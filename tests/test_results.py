@@ -307,6 +307,32 @@ def test_real_v2_target_against_baseline_0_reading():
     assert change.low <= 0
 
 
+def test_real_v2_importance_reading():
+    # docs/benchmarks.md's real scale v2, the importance weights beside the target against baseline 0 (means over the
+    # 3 seeds at their shared rate): baseline 0's oldest replayed samples lose effective sample size round after
+    # round; its training batches' is below the target's from round 2 on; the target's oldest replayed samples have
+    # more of it after the last round than after round 2; most samples are negatives
+    results = iterative_results("iterative-real-v2")
+    last = results["settings"]["rounds"]
+
+    def means(method, key, first=1):  # rounds first..last
+        runs = results["methods"][method]["runs"]
+        return [statistics.fmean(run[r][key] for run in runs) for r in range(first, last + 1)]
+
+    oldest = "age_1/effective_sample_size"  # one round's replay: age 1 is the oldest from round 2 on
+    assert results["settings"]["replay"] == 1
+    paper = means("topr+replay", oldest, 2)
+    assert paper == sorted(paper, reverse=True) and paper[-1] < paper[0]
+    ess = "train/effective_sample_size"
+    assert all(p < t for p, t in zip(means("topr+replay", ess, 2), means("topr_peff0.8+replay", ess, 2)))
+    target = means("topr_peff0.8+replay", oldest, 2)
+    assert target[-1] > target[0]
+    assert all(f < 0.5 for f in means("topr+replay", "positive_fraction"))
+    assert "Waiting for an arm" not in report.iterative_complete_importance(
+        "iterative-real-v2", ["topr+replay", "topr_peff0.8+replay"], list(range(1, last + 1))
+    )
+
+
 def test_replay_rounds_default_reading():
     # "What to set": `replay_rounds` defaults to 0 because neither scale puts replay above on-policy rounds for TOPR
     # with the target 0.8 over the tested rounds: tied on the area at the fast scale (above after the last round),
