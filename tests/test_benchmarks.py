@@ -573,3 +573,9 @@ def test_iterative_bracket_ends_with_an_interior_best_and_references_take_its_ra
     plan = search.plan(setting, setting["methods"], ledger.Ledger(tmp_path))
     assert "a bracket from 3e-6, down first, of 3 rates or more" in plan
     assert "at the best rate of topr_peff0.8+replay, not swept" in plan
+    # a bracket that took a fourth rate counts the runs it took, not the three rates' minimum
+    taken = ledger.Ledger(tmp_path / "taken")
+    for lr, seed in [(lr, seed) for lr in (3e-6, 1e-6, 1e-5, 3e-5) for seed in (0, 1)] + [(1e-5, 2)]:
+        taken.add({"method": "positives_only", "lr": lr, "seed": seed, "seconds": 60, "resumed": False})
+    (arm,) = search.estimate(setting, ["positives_only"], taken)
+    assert (arm["runs"], arm["done"], arm["hours"]) == (9, 9, 0)
