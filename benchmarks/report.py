@@ -679,6 +679,14 @@ def iterative_complete_pairs(folder: str, pairs: list[tuple[str, str]]) -> str:
     )
 
 
+def iterative_complete_efficiency(folder: str) -> str:
+    """The rows of `efficiency.md` (completions to each threshold, seed by seed) of the complete arms
+    (`complete_arms`)."""
+    done = complete_arms(folder)
+    header, rule, *lines = table(folder, "efficiency.md").splitlines()
+    return "\n".join([header, rule, *[line for line in lines if line.split("|")[1].strip() in done]])
+
+
 def iterative_rate_curves(folder: str, arms: list[tuple[str, float]]) -> str:
     """Learning curves with intervals of arms at given rates (every seed run there, from the ledger): test sampled
     pass@1 after every tested round, and greedy pass@1 after the last, each the mean over seeds and test prompts with
@@ -1163,6 +1171,7 @@ QUOTES: dict[str, tuple] = {
     "iterative-real-v2.tables_commit": (tables_commit, "iterative-real-v2"),
     "iterative-real-v2.to_go": (iterative_to_go, "iterative-real-v2", "real-v2"),
     "iterative-real-v2.sweep": (table, "iterative-real-v2", "sweep.md"),
+    "iterative-real-v2.efficiency": (iterative_complete_efficiency, "iterative-real-v2"),
     "iterative-real-v2.start": (iterative_v2_start, "iterative-real-v2"),
     # v2's questions, each read once both its arms are complete (an arm's rate interior to its sweep, or a reference
     # at its arm's rate, on every seed)
