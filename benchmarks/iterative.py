@@ -445,8 +445,10 @@ def run_grpo(setting: dict, lr: float, seed: int, folder: Path, use_vllm: bool) 
             extra = {"reward": statistics.fmean(h["reward"] for h in logs), **counted}
             evaluate(args.output_dir, round_index, extra, model=trainer.model)
             engine.release_weights()
+            if use_vllm:  # its colocated engine shut down: deleting the trainer alone did not give its memory back
+                trainer.vllm_generation.close()
             del trainer
-            gc.collect()  # its colocated vLLM engine goes with it
+            gc.collect()
     finally:
         engine.close()
 

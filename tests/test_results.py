@@ -191,7 +191,7 @@ def test_fast_answers_off_policy():
     assert max(ledger.get("topr_peff0.2+replay", 3e-3, seed)["validation"]["mean"] for seed in (0, 1)) < 0.01
 
     # the importance weights: at 1e-5 REINFORCE with replay collapsed in the rounds its batches' effective sample size
-    # fell below 0.2; TOPR's stayed above 0.5; the oldest replayed samples as stale for all three from round 4
+    # fell below 0.2; TOPR's stayed above 0.5; the oldest replayed samples as stale for all three from round 5
     def mean_over_seeds(method, lr, key, r):
         return statistics.fmean(ledger.get(method, lr, seed)["rounds"][r][key] for seed in (0, 1))
 

@@ -197,7 +197,8 @@ def run_topr_loop(
             `seed` + r seeds round r's sampling, `seed` the evaluation's; `disable_tqdm` hides the progress bars.
             Where it sets no baseline (neither `baseline` nor `target_positive_fraction`), TOPR's rounds train with
             `target_positive_fraction=0.8` (`LOOP_TARGET_POSITIVE_FRACTION`: what the iterative benchmark found
-            above the paper's baseline 0 at both scales); `baseline=0.0` is the paper's setting.
+            above the paper's baseline 0 at its fast scale and its second real scale, with paired intervals);
+            `baseline=0.0` is the paper's setting.
         eval_prompts ([`~datasets.Dataset`] or `dict[str, Dataset]`, *optional*):
             Held-out prompts evaluated after every round with [`evaluate_policy`] (needs `correct_func` and
             `answer_func`). A dict evaluates each of its datasets, as TRL's `eval_dataset` does, and names each metric
