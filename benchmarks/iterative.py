@@ -445,7 +445,7 @@ def run_grpo(setting: dict, lr: float, seed: int, folder: Path, use_vllm: bool) 
             extra = {"reward": statistics.fmean(h["reward"] for h in logs), **counted}
             evaluate(args.output_dir, round_index, extra, model=trainer.model)
             engine.release_weights()
-            if use_vllm:  # its colocated engine shut down: deleting the trainer alone did not give its memory back
+            if use_vllm:  # its colocated engine, shut down with the layers it reloaded (a deleted trainer kept them)
                 trainer.vllm_generation.close()
             del trainer
             gc.collect()

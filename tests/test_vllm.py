@@ -9,6 +9,7 @@ shared by the module's tests (the loop's included, through its `engine` argument
 SmolLM2-135M-Instruct in float32.
 """
 
+import gc
 import importlib.util
 import json
 import os
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import weakref
 
 import pytest
 import torch
@@ -99,6 +101,26 @@ def engine(smollm2, tmp_path_factory):
     engine = VLLMEngine.from_config(model, tokenizer, vllm_for(), bf16=False)
     yield engine
     engine.close()  # its memory back before the next module's engines start
+
+
+def test_a_closed_engine_lets_its_reloaded_layers_go(smollm2):
+    # vLLM's in-place reload (every weight sync and folder reload) records each layer in a table keyed weakly by the
+    # layer, but the records hold the layers' weight loaders, which refer back to them: closed without dropping the
+    # records, an engine's layers and weights outlived it, engine after engine in a process that builds one trainer
+    # after another
+    path, tokenizer = smollm2
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    engine = VLLMEngine.from_config(model, tokenizer, vllm_for(), bf16=False)
+    engine.vllm_generation.reload_weights(path)  # in place, as each round and each weight sync does
+    (layers,) = engine.vllm_generation.llm.collective_rpc(
+        lambda worker: [weakref.ref(m) for m in worker.model_runner.get_model().modules()]
+    )
+    engine.close()
+    gc.collect()
+    alive_layers = [type(ref()).__name__ for ref in layers if ref() is not None]
+    assert layers and not alive_layers, (
+        f"{len(alive_layers)} of the closed engine's layers are alive: {alive_layers[:5]}"
+    )
 
 
 def step_zero_log_ratios(model, data, args) -> dict[str, float]:

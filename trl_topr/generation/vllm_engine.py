@@ -71,6 +71,19 @@ class TOPRWorkerExtension:
             # reloaded values through the embedding only, and keeps its stale packed copy unless packed again.
             lm_head.quant_method.process_weights_after_loading(lm_head)
 
+    def topr_release_reload_records(self) -> None:
+        """
+        Drop what vLLM's in-place reload keeps of the model's layers. It records each layer it reloads in a table keyed
+        weakly by the layer, but each record holds the layer's weight loaders, which refer back to it: the layers, and
+        the engine's weights with them, would outlive the engine.
+        """
+        try:
+            from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+        except ImportError:  # a vLLM without layerwise reload keeps no records
+            return
+        for module in self.model_runner.get_model().modules():
+            LAYERWISE_INFO.pop(module, None)
+
 
 class TOPRVLLMGeneration(VLLMGeneration):
     """
@@ -234,6 +247,7 @@ class TOPRVLLMGeneration(VLLMGeneration):
         if self.mode != "colocate" or getattr(self, "llm", None) is None:
             return
         with _keeping_default_process_group():
+            self.llm.collective_rpc("topr_release_reload_records")  # or the reloaded layers outlive the engine
             self.llm.llm_engine.engine_core.shutdown()
         self.llm = None
         gc.collect()
