@@ -735,6 +735,7 @@ def importance_rows(method: str, runs: list[list[dict]], rounds: list[int], vali
 
 
 def importance_header(label: str, rounds: list[int]) -> list[str]:
+    """The header and rule of an importance table: the arm column `label`, then one column per round."""
     return [
         f"| {label} | per round | " + " | ".join(f"r{r}" for r in rounds) + " |",
         "|---|---|" + "---|" * len(rounds),

@@ -112,6 +112,7 @@ def estimate(setting: dict, methods: list[str], ledger) -> list[dict]:
     others = setting["seeds"] - setting["sweep_seeds"]  # seeds run at the best rate only
     arms = []
     for method in methods:
+        done = sum(m == method for m, _, _ in ledger.runs)
         if reference(setting, method):
             rates_text = f"at the best rate of {reference(setting, method)}, not swept"
             most = setting["seeds"]
@@ -119,14 +120,11 @@ def estimate(setting: dict, methods: list[str], ledger) -> list[dict]:
             rates_text = f"a bracket from {setting['start_lr']:.0e}, down first, of 3 rates or more".replace(
                 "e-0", "e-"
             )
-            most = setting["sweep_seeds"] * 3 + others  # raised below by the runs an arm already took past it
+            most = max(setting["sweep_seeds"] * 3 + others, done)  # or the runs it took, past a fourth rate
         else:
             rates = grid(setting, method)
             rates_text = f"rates {' '.join(f'{r:g}' for r in rates)}"
             most = setting["sweep_seeds"] * (len(rates) + setting.get("past_edge", PAST_EDGE)) + others
-        done = sum(m == method for m, _, _ in ledger.runs)
-        if "start_lr" in setting:  # a bracket that took more rates than three needs at least the runs it took
-            most = max(most, done)
         own = [e["seconds"] for (m, _, _), e in ledger.runs.items() if m == method and not e["resumed"]]
         each = statistics.fmean(own) if own else default
         hours = max(most - done, 0) * each / 3600
