@@ -302,6 +302,26 @@ def test_missing_smollm2_package(tmp_path, monkeypatch):
         smollm2_path(cache_dir=str(tmp_path))
 
 
+def test_a_conversion_that_lost_the_race_keeps_the_winners_folder(tmp_path):
+    # each process of a first `accelerate launch` converts the model; the last to finish finds the folder taken
+    from trl_topr.embedded import publish
+
+    folder, partial, other = tmp_path / "model", tmp_path / "model.partial-2", tmp_path / "model.partial-3"
+    for conversion in (partial, other):
+        conversion.mkdir()
+        (conversion / "config.json").write_text(json.dumps({"by": conversion.name}))
+    assert publish(partial, folder) == str(folder)
+    assert publish(other, folder) == str(folder)
+    assert json.loads((folder / "config.json").read_text()) == {"by": partial.name}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # nothing half-written left beside it
+    # a folder in the way that holds no model is not taken for one
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "stray").write_text("")
+    other.mkdir()
+    with pytest.raises(OSError):
+        publish(other, tmp_path / "broken")
+
+
 def test_save_and_load_datasets(tmp_path):
     from datasets import Dataset
 

@@ -3,6 +3,7 @@ download. Recipes, scripts and benchmarks find it here."""
 
 import importlib.util
 import os
+import shutil
 from pathlib import Path
 
 
@@ -51,5 +52,29 @@ def smollm2_path(cache_dir: str | None = None) -> str:
     partial = cache / f"{folder.name}.partial-{os.getpid()}"
     model.save_pretrained(partial)
     AutoTokenizer.from_pretrained(gguf_folder, gguf_file=GGUF_NAME).save_pretrained(partial)
-    os.replace(partial, folder)  # atomic: a crashed conversion leaves no half-written cache
+    return publish(partial, folder)
+
+
+def publish(partial: Path, folder: Path) -> str:
+    """
+    Move a finished conversion into place, atomically, so that a crashed conversion leaves no half-written cache.
+
+    Where another process converted the model first (each process of a first `accelerate launch` converts it), its
+    folder is kept and this one is discarded.
+
+    Args:
+        partial (`Path`):
+            The finished conversion, beside `folder`.
+        folder (`Path`):
+            The cached model's folder.
+
+    Returns:
+        `str`: `folder`.
+    """
+    try:
+        os.replace(partial, folder)
+    except OSError:  # the folder exists, not empty: another process's conversion won
+        if not (folder / "config.json").exists():
+            raise
+        shutil.rmtree(partial)
     return str(folder)
