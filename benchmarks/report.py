@@ -1002,10 +1002,11 @@ FAST_DIFFERENCES = {
     "peff": (FAST_PAIRS[5], ("area",)),
     "peff_replay": (FAST_PAIRS[6], ("area",)),
     "rate": (FAST_PAIRS[12], ("area", "last")),
+    "grpo_rft": (FAST_PAIRS[4], ("area", "last")),
 }
 # real scale v2's questions (first minus second): the loop's default against the paper's setting, the fast scale's
 # first question and its on-policy twin, TOPR against positives-only on-policy, replay against on-policy (the
-# default of `replay_rounds`) for each, and the references
+# default of `replay_rounds`) for each, the references, and online GRPO against the loop's default and positives-only
 V2_PAIRS = [
     ("topr_peff0.8+replay", "topr+replay"),
     ("topr_peff0.8+replay", "positives_only+replay"),
@@ -1015,9 +1016,17 @@ V2_PAIRS = [
     ("positives_only+replay", "positives_only"),
     ("topr_peff0.8+replay", "reinforce+replay"),
     ("topr_peff0.8+replay", "grpo"),
+    ("grpo", "positives_only"),
 ]
 # the ones the prose quotes, by name
-V2_DIFFERENCES = {"peff_replay": V2_PAIRS[0], "replay": V2_PAIRS[4], "q1_on_policy": V2_PAIRS[2], "peff": V2_PAIRS[3]}
+V2_DIFFERENCES = {
+    "peff_replay": V2_PAIRS[0],
+    "replay": V2_PAIRS[4],
+    "q1_on_policy": V2_PAIRS[2],
+    "peff": V2_PAIRS[3],
+    "grpo": V2_PAIRS[7],
+    "grpo_rft": V2_PAIRS[8],
+}
 BEFORE = "iterative-easy-before-replay"  # the real scale as first run: on-policy rounds, the earlier protocol
 ON_POLICY_ARMS = [m for m in ARMS if not ARMS[m].replay]  # the iterative benchmark's arms
 REPLAY_ARMS = [m for m in ARMS if ARMS[m].replay]

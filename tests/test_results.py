@@ -357,6 +357,21 @@ def test_real_v2_topr_against_positives_only_reading():
         assert reading(arm, "positives_only", "last", folder=v2) == "tied"
 
 
+def test_against_grpo_reading():
+    # "What to set", README and the real scale v2 section: against TRL's GRPOTrainer at equal sampled completions, at
+    # the fast scale GRPO is below positives-only on the area and the last round; at real scale v2 (each arm at its
+    # interior rate, 3 seeds) TOPR with the target 0.8 and replay is above GRPO on both, and GRPO is below
+    # positives-only on the area and tied with it after the last round
+    assert reading("grpo", "positives_only") == reading("grpo", "positives_only", "last") == "below"
+    v2 = "iterative-real-v2"
+    assert {"topr_peff0.8+replay", "grpo", "positives_only"} <= set(report.complete_arms(v2))
+    assert len(iterative_results(v2)["methods"]["grpo"]["runs"]) == 3
+    assert reading("topr_peff0.8+replay", "grpo", "area", folder=v2) == "above"
+    assert reading("topr_peff0.8+replay", "grpo", "last", folder=v2) == "above"
+    assert reading("grpo", "positives_only", "area", folder=v2) == "below"
+    assert reading("grpo", "positives_only", "last", folder=v2) == "tied"
+
+
 @pytest.mark.parametrize("folder", ["iterative-real", "iterative-real-v2"])
 def test_every_real_scale_run_names_its_call(folder):
     # each run of the ledger is listed by exactly one record of the call that trained it (recorded or listed
