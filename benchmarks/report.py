@@ -659,9 +659,24 @@ def iterative_curves(folder: str, methods: list[str] | None = None) -> str:
 
 
 def complete_arms(folder: str) -> list[str]:
-    """The arms of a results folder with a chosen rate (a sweep's best, or a reference's) run on every seed."""
+    """The complete arms of a results folder: run on every seed at their chosen rate, which is a swept arm's best rate
+    interior to the rates it ran, or a reference's complete arm's rate."""
     results = load(folder)
-    return [m for m, entry in results["methods"].items() if len(entry["runs"]) == results["settings"]["seeds"]]
+    methods, seeds = results["methods"], results["settings"]["seeds"]
+
+    def swept(entry: dict) -> bool:
+        rates = [float(lr) for lr in entry.get("sweep", {})]
+        return "reference" not in entry and len(rates) > 2 and min(rates) < entry["lr"] < max(rates)
+
+    done = {m for m, entry in methods.items() if len(entry["runs"]) == seeds and swept(entry)}
+    done |= {
+        m
+        for m, entry in methods.items()
+        if len(entry["runs"]) == seeds
+        and entry.get("reference") in done
+        and entry["lr"] == methods[entry["reference"]]["lr"]
+    }
+    return [m for m in methods if m in done]
 
 
 def iterative_complete_curves(folder: str) -> str:
@@ -994,6 +1009,9 @@ FAST_PAIRS = [
     ("reinforce+replay", "reinforce"),
     ("positives_only", "positives_only", 3e-4, 1e-3),
     ("topr_peff0.8+replay", "positives_only", 3e-4, 3e-4),
+    ("topr_peff0.8", "topr_peff0.5"),
+    ("topr_peff0.8+replay", "topr_peff0.5+replay"),
+    ("topr_peff0.8+replay", "topr_peff0.2+replay"),
 ]
 # the ones the prose quotes, by name
 FAST_DIFFERENCES = {
@@ -1003,6 +1021,10 @@ FAST_DIFFERENCES = {
     "peff_replay": (FAST_PAIRS[6], ("area",)),
     "rate": (FAST_PAIRS[12], ("area", "last")),
     "grpo_rft": (FAST_PAIRS[4], ("area", "last")),
+    "peff_rft": (FAST_PAIRS[2], ("area", "last")),
+    "target": (FAST_PAIRS[14], ("area", "last")),
+    "target_replay": (FAST_PAIRS[15], ("area", "last")),
+    "target_replay_0.2": (FAST_PAIRS[16], ("area",)),
 }
 # real scale v2's questions (first minus second): the loop's default against the paper's setting, the fast scale's
 # first question and its on-policy twin, TOPR against positives-only on-policy, replay against on-policy (the
@@ -1226,12 +1248,6 @@ QUOTES: dict[str, tuple] = {
         "iterative-real",
         "positives_only+replay",
         "topr_peff0.8+replay",
-    ),
-    "iterative-real.seed_differences.peff": (
-        iterative_seed_differences,
-        "iterative-real",
-        "topr_peff0.8+replay",
-        "topr+replay",
     ),
     # the real scale's on-policy rows, recorded before the replay arms and the protocol's fixes
     f"{BEFORE}.start": (iterative_start, BEFORE, "pass@1"),

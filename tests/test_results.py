@@ -347,6 +347,18 @@ def test_replay_rounds_default_reading():
     assert reading("topr_peff0.8+replay", "topr_peff0.8", "last", folder=v2) == "tied"
 
 
+def test_target_fraction_reading():
+    # "What to set": the loop's target 0.8 is above the other targets the fast scale ran, each at its chosen rate:
+    # 0.5 on-policy and with replay (area and last round), 0.2 with replay (area)
+    from trl_topr.loop import LOOP_TARGET_POSITIVE_FRACTION
+
+    assert LOOP_TARGET_POSITIVE_FRACTION == 0.8
+    for which in ("area", "last"):
+        assert above("topr_peff0.8", "topr_peff0.5", which)
+        assert above("topr_peff0.8+replay", "topr_peff0.5+replay", which)
+    assert above("topr_peff0.8+replay", "topr_peff0.2+replay")
+
+
 def test_real_v2_topr_against_positives_only_reading():
     # "What to set" and README: at real scale v2, TOPR with the target 0.8 is tied with on-policy positives-only, with
     # replay and on-policy, on the area and the last round (each arm at its interior rate, 3 seeds)
