@@ -101,6 +101,20 @@ def bound(setting: dict) -> str:
     return "at least" if "start_lr" in setting else "at most"
 
 
+def bracket_rates(setting: dict, method: str, ledger) -> list[float]:
+    """The rates an arm's `bracket` has scored from the ledger (every sweep seed finished), and the one it scores
+    next where it has not ended."""
+    visited = []
+
+    def score(lr: float) -> float | None:
+        visited.append(lr)
+        entries = [ledger.get(method, lr, seed) for seed in range(setting["sweep_seeds"])]
+        return None if None in entries else statistics.fmean(e["validation"]["mean"] for e in entries)
+
+    bracket(setting["start_lr"], score)
+    return visited
+
+
 def estimate(setting: dict, methods: list[str], ledger) -> list[dict]:
     """The runs the protocol may train, arm by arm (every grid rate on the sweep seeds, then the other seeds at the
     best rate, and the rates past an edge where the scale follows them), with those already in the ledger and the
@@ -120,7 +134,8 @@ def estimate(setting: dict, methods: list[str], ledger) -> list[dict]:
             rates_text = f"a bracket from {setting['start_lr']:.0e}, down first, of 3 rates or more".replace(
                 "e-0", "e-"
             )
-            most = max(setting["sweep_seeds"] * 3 + others, done)  # or the runs it took, past a fourth rate
+            rates = max(3, len(bracket_rates(setting, method, ledger)))  # the rates it has run or runs next
+            most = max(setting["sweep_seeds"] * rates + others, done)
         else:
             rates = grid(setting, method)
             rates_text = f"rates {' '.join(f'{r:g}' for r in rates)}"

@@ -573,9 +573,16 @@ def test_iterative_bracket_ends_with_an_interior_best_and_references_take_its_ra
     plan = search.plan(setting, setting["methods"], ledger.Ledger(tmp_path))
     assert "a bracket from 3e-6, down first, of 3 rates or more" in plan
     assert "at the best rate of topr_peff0.8+replay, not swept" in plan
-    # a bracket that took a fourth rate counts the runs it took, not the three rates' minimum
-    taken = ledger.Ledger(tmp_path / "taken")
+    # a bracket that took a fourth rate counts the runs it took, not the three rates' minimum; one whose best is at
+    # the edge of its three rates counts the fourth rate it runs next
+    validation = {3e-6: 0.30, 1e-6: 0.29, 1e-5: 0.32, 3e-5: 0.20}  # up past 3e-6, then 1e-5 is interior
+    edge, taken = ledger.Ledger(tmp_path / "edge"), ledger.Ledger(tmp_path / "taken")
     for lr, seed in [(lr, seed) for lr in (3e-6, 1e-6, 1e-5, 3e-5) for seed in (0, 1)] + [(1e-5, 2)]:
-        taken.add({"method": "positives_only", "lr": lr, "seed": seed, "seconds": 60, "resumed": False})
+        entry = {"method": "positives_only", "lr": lr, "seed": seed, "seconds": 60, "resumed": False}
+        taken.add(dict(entry, validation={"mean": validation[lr]}))
+        if lr != 3e-5 and seed < 2:
+            edge.add(dict(entry, validation={"mean": validation[lr]}))
     (arm,) = search.estimate(setting, ["positives_only"], taken)
     assert (arm["runs"], arm["done"], arm["hours"]) == (9, 9, 0)
+    (arm,) = search.estimate(setting, ["positives_only"], edge)
+    assert (arm["runs"], arm["done"]) == (9, 6) and arm["hours"] == 3 * 60 / 3600
