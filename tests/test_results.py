@@ -392,8 +392,14 @@ def test_every_real_scale_run_names_its_call(folder):
     listed = [(method, f"{lr:g}", seed) for entry in record for method, lr, seed in entry.get("runs", [])]
     assert sorted(listed) == sorted(report.ledger(folder).runs)
     for entry in record:
-        methods = entry["command"].split("--methods ")[1].split(" --")[0].split() if entry.get("runs") else []
-        assert all(method in methods for method, _, _ in entry.get("runs", []))
+        command, runs = entry["command"], entry.get("runs", [])
+        if "--methods " in command:  # the benchmark's command line: its arms
+            methods = command.split("--methods ")[1].split(" --")[0].split()
+            assert all(method in methods for method, _, _ in runs)
+        elif runs:  # a call of the benchmark's functions (`Runs.run`), which names the one run it trained
+            ((method, lr, seed),), call = runs, command.replace("\\", "")
+            assert command.startswith("python -c ") and f'runs.run("{method}", {lr:.0e}'.replace("e-0", "e-") in call
+            assert call.split("runs.run(")[1].split(")")[0].endswith(f", {seed}")
 
 
 def test_real_v2_rates_are_interior_where_an_arm_has_chosen():
