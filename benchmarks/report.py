@@ -1048,6 +1048,8 @@ V2_DIFFERENCES = {
     "peff": V2_PAIRS[3],
     "grpo": V2_PAIRS[7],
     "grpo_rft": V2_PAIRS[8],
+    "peff_replay_rft_replay": V2_PAIRS[1],
+    "rft_replay": V2_PAIRS[5],
 }
 BEFORE = "iterative-easy-before-replay"  # the real scale as first run: on-policy rounds, the earlier protocol
 ON_POLICY_ARMS = [m for m in ARMS if not ARMS[m].replay]  # the iterative benchmark's arms
