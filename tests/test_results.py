@@ -369,6 +369,17 @@ def test_real_v2_topr_against_positives_only_reading():
         assert reading(arm, "positives_only", "last", folder=v2) == "tied"
 
 
+def test_real_v2_positives_only_with_replay_reading():
+    # the real scale v2 section: TOPR with the target 0.8 and replay is tied with positives-only with replay, and
+    # positives-only with replay is tied with its own on-policy runs, on the area and the last round (3 seeds)
+    v2 = "iterative-real-v2"
+    assert {"topr_peff0.8+replay", "positives_only+replay", "positives_only"} <= set(report.complete_arms(v2))
+    pairs = [("topr_peff0.8+replay", "positives_only+replay"), ("positives_only+replay", "positives_only")]
+    for first, second in pairs:
+        assert reading(first, second, "area", folder=v2) == "tied"
+        assert reading(first, second, "last", folder=v2) == "tied"
+
+
 def test_against_grpo_reading():
     # "What to set", README and the real scale v2 section: against TRL's GRPOTrainer at equal sampled completions, at
     # the fast scale GRPO is below positives-only on the area and the last round; at real scale v2 (each arm at its
