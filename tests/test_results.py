@@ -370,8 +370,9 @@ def test_real_v2_topr_against_positives_only_reading():
 
 
 def test_real_v2_positives_only_with_replay_reading():
-    # the real scale v2 section: TOPR with the target 0.8 and replay is tied with positives-only with replay, and
-    # positives-only with replay is tied with its own on-policy runs, on the area and the last round (3 seeds)
+    # the real scale v2 section, "What to set" (replay, positives-only) and README: TOPR with the target 0.8 and
+    # replay is tied with positives-only with replay, and positives-only with replay is tied with its own on-policy
+    # runs, on the area and the last round (3 seeds)
     v2 = "iterative-real-v2"
     assert {"topr_peff0.8+replay", "positives_only+replay", "positives_only"} <= set(report.complete_arms(v2))
     pairs = [("topr_peff0.8+replay", "positives_only+replay"), ("positives_only+replay", "positives_only")]
