@@ -396,6 +396,54 @@ def test_against_grpo_reading():
     assert reading("grpo", "positives_only", "last", folder=v2) == "tied"
 
 
+def test_real_v2_reinforce_with_replay_reading():
+    # the real scale v2 section, "What to set" (replay) and README: at the target's rate, TOPR with the target 0.8 and
+    # replay is above REINFORCE with replay on the area and the last round; REINFORCE with replay collapses on every
+    # seed: test sampled pass@1 below 0.01 from round 4 on, no positive sample in the last round, nearly all its test
+    # completions at the last round truncated; in the means over seeds its training batches' effective sample size
+    # falls round after round and is below the target's from round 2 on, its oldest replayed samples' below 0.1 from
+    # round 3 on
+    v2 = "iterative-real-v2"
+    assert {"topr_peff0.8+replay", "reinforce+replay"} <= set(report.complete_arms(v2))
+    assert reading("topr_peff0.8+replay", "reinforce+replay", "area", folder=v2) == "above"
+    assert reading("topr_peff0.8+replay", "reinforce+replay", "last", folder=v2) == "above"
+    results = iterative_results(v2)
+    methods, last = results["methods"], results["settings"]["rounds"]
+    assert methods["reinforce+replay"]["lr"] == methods["topr_peff0.8+replay"]["lr"]
+    runs = methods["reinforce+replay"]["runs"]
+    assert len(runs) == results["settings"]["seeds"] == 3
+    for run in runs:
+        assert all(run[r]["test/pass@1"] < 0.01 for r in results["settings"]["test_rounds"] if r >= 4)
+        assert run[last]["positive_fraction"] == 0 and run[last]["test/truncated_rate"] > 0.9
+
+    def means(method, key, first):  # rounds first..last
+        entries = methods[method]["runs"]
+        return [statistics.fmean(run[r][key] for run in entries) for r in range(first, last + 1)]
+
+    ess = means("reinforce+replay", "train/effective_sample_size", 1)
+    assert ess == sorted(ess, reverse=True)
+    target = means("topr_peff0.8+replay", "train/effective_sample_size", 2)
+    assert all(r < t for r, t in zip(ess[1:], target))
+    assert all(e < 0.1 for e in means("reinforce+replay", "age_1/effective_sample_size", 3))
+
+
+def test_real_v2_is_complete():
+    # the real scale v2 section: every arm complete (3 seeds at a rate interior to its sweep, or a reference at its
+    # arm's rate), each run trained with one thread but reinforce+replay's seeds 1 and 2 (two threads)
+    v2 = "iterative-real-v2"
+    results = iterative_results(v2)
+    assert sorted(report.complete_arms(v2)) == sorted(results["settings"]["methods"])
+    threads = {
+        (method, lr, seed): entry["env"]["OMP_NUM_THREADS"]
+        for entry in report.records(v2)
+        for method, lr, seed in entry.get("runs", [])
+    }
+    assert len(threads) == len(report.ledger(v2).runs)
+    two = {run for run, count in threads.items() if count != "1"}
+    assert two == {("reinforce+replay", 1e-06, 1), ("reinforce+replay", 1e-06, 2)}
+    assert all(threads[run] == "2" for run in two)
+
+
 @pytest.mark.parametrize("folder", ["iterative-real", "iterative-real-v2"])
 def test_every_real_scale_run_names_its_call(folder):
     # each run of the ledger is listed by exactly one record of the call that trained it (recorded or listed
