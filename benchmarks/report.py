@@ -49,6 +49,7 @@ FIGURES = {  # docs/images/<name> <- benchmarks/results/<file>
     "iterative-fast.png": "iterative-fast/iterative.png",
     "iterative-easy-before-replay.png": "iterative-easy-before-replay/iterative.png",
     "iterative-real.png": "iterative-real/iterative.png",
+    "iterative-real-v2.png": "iterative-real-v2/iterative.png",
 }
 
 
