@@ -410,7 +410,8 @@ def iterative_time(folder: str, reduce=sum) -> str:
 
 def iterative_calls_time(folder: str) -> str:
     """The runs of a folder's ledger and the time of the calls that trained them (the records that list `runs`; a
-    call stopped before it finished a run is recorded without a time): "45 runs, by 31 calls that took 59.5 h"."""
+    call stopped before it finished a run is recorded without a time), as "<runs> runs, by <calls> calls that took
+    <hours> h"."""
     calls = [entry for entry in records(folder) if entry.get("runs")]
     runs = sum(len(entry["runs"]) for entry in calls)
     if runs != len(ledger(folder).runs):

@@ -249,7 +249,7 @@ def test_gpu_kit_carries_what_the_image_lacks_or_holds_too_old_and_nothing_it_ha
     assert {"trl", "datasets", "bitsandbytes", "dill", "multiprocess", "pyarrow"} <= carry.keys()
     assert not {"torch", "accelerate", "numpy", "tokenizers"} & carry.keys()
     # a package the image has is carried only where something carried (or trl-topr) excludes the image's version: with
-    # transformers >= 5.25 (huggingface-hub >= 2.4) the image's huggingface-hub 1.33, say, and nothing else
+    # transformers >= 5.25 (which asks huggingface-hub >= 2.4), the image's huggingface-hub 1.33, for one
     from packaging.requirements import Requirement
 
     required = [Requirement(r) for name in [*carry, "trl-topr"] for r in metadata.requires(name) or []]
