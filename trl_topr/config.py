@@ -8,28 +8,14 @@ from .loss import LOSS_NORMALIZATIONS, LOSS_TYPES, LOSS_TYPES_HELP, RATIO_LEVELS
 from .precision import apply_precision_defaults
 
 
-@dataclass
-class ActivationCheckpointingName:
-    """
-    Mixin of [`TOPRConfig`] and [`~trl_topr.online.TOPRGRPOConfig`]: before transformers 5.20,
-    `activation_checkpointing` is accepted as the name of `gradient_checkpointing`, so that one configuration file
-    works with both.
-    """
-
-    if CHECKPOINTING == "gradient_checkpointing":
-        activation_checkpointing: bool | None = field(
-            default=None, metadata={"help": "Activation checkpointing (transformers' `gradient_checkpointing`)."}
-        )
-
-
 def check_topr_options(args) -> None:
     """
-    Check the TOPR options of a configuration ([`TOPRConfig`] or [`~trl_topr.online.TOPRGRPOConfig`]): the loss's
+    Check the TOPR options of a configuration ([`TOPRArguments`]): the loss's
     ([`~trl_topr.loss.check_loss_options`]) and the baseline's (at most one of `baseline`, `target_positive_fraction`
     and `group_baseline`; a finite baseline; a target in (0, 1)).
 
     Args:
-        args ([`TOPRConfig`] or [`~trl_topr.online.TOPRGRPOConfig`]):
+        args ([`TOPRArguments`]):
             The configuration.
 
     Raises:
@@ -67,7 +53,7 @@ def apply_training_defaults(args) -> None:
     current name, unless either name was set.
 
     Args:
-        args ([`TOPRConfig`] or [`~trl_topr.online.TOPRGRPOConfig`]):
+        args ([`TOPRArguments`]):
             The configuration, before its `__post_init__`.
     """
     apply_precision_defaults(args)
@@ -78,23 +64,19 @@ def apply_training_defaults(args) -> None:
 
 
 @dataclass
-class TOPRConfig(ActivationCheckpointingName, SFTConfig):
+class TOPRArguments:
     r"""
-    Configuration class for the [`TOPRTrainer`]: what training reads, in the trainer and in each round of
-    [`run_topr_loop`] (whose own options, sampling included, are [`TOPRLoopConfig`]'s).
-
-    Extends TRL's [`~trl.SFTConfig`], whose data preprocessing (tokenization of prompt/completion pairs, chat
-    templates, `max_length` truncation) and model options (`model_init_kwargs`, PEFT, quantization) are used as they
-    are. Only the parameters specific to TOPR training are listed here; for the others see
-    [`~trl.SFTConfig`] and [`~transformers.TrainingArguments`].
+    TOPR's options, defined once for every configuration that trains with TOPR's loss: [`TOPRConfig`] (the offline
+    trainer and the loop's rounds) and [`TOPRGRPOConfig`] (online) inherit them beside TRL's configuration, and the
+    trainers, the replay's metrics and the loss read them through [`loss_options`] and [`weight_options`]. Also the
+    defaults these configurations change from TRL's: bf16 from the hardware, activation checkpointing under its
+    current name.
 
     Parameters:
-        > Parameters that control the TOPR objective
-
         loss_type (`str`, *optional*, defaults to `"topr"`):
             Weighting of positive (`R - c >= 0`) and negative (`R - c < 0`) completions, all computed by the same
-            code ([`topr_loss`]). This field replaces [`~trl.SFTConfig`]'s own `loss_type` (nll/dft), which does
-            not apply to TOPR. Possible values:
+            code ([`topr_loss`]). It replaces TRL's own `loss_type` (SFT's nll/dft, GRPO's grpo/dapo/...), which
+            does not apply to TOPR. Possible values:
 
             - `"topr"`: weight 1 for positives, clip(pi/mu, 0, 1) for negatives (the paper's method).
             - `"reinforce"`: weight 1 for both (naive off-policy REINFORCE).
@@ -108,27 +90,144 @@ class TOPRConfig(ActivationCheckpointingName, SFTConfig):
         negative_ratio_bounds (`list[float]`, *optional*):
             Custom window `[a-, b-]` for negatives. Defaults to the `loss_type` preset (`[0, 1]` for `"topr"`).
         epsilon (`float`, *optional*, defaults to `0.2`):
-            Trust region of `loss_type="ppo_clip"`.
+            Trust region of `loss_type="ppo_clip"` (GRPO's clipping epsilon, where a GRPO configuration has one).
         ratio_level (`str`, *optional*, defaults to `"sequence"`):
             Level of the importance ratio: `"sequence"` (exp of the summed log-ratio over the completion, the paper),
             `"token"` (one ratio per token; needs per-token behavior log-probs) or `"sequence_mean"` (exp of the
-            length-normalized log-ratio).
+            length-normalized log-ratio). It replaces GRPO's `importance_sampling_level`.
         loss_normalization (`str`, *optional*, defaults to `"sequence_length"`):
             `"sequence_length"` (each sequence's weighted log-likelihood divided by its length, averaged over the
-            batch, the paper), `"token_mean"` (divided by the batch's number of completion tokens) or `"sum"` (summed
-            over each sequence's tokens, averaged over the batch).
+            batch, the paper), `"token_mean"` (divided by the batch's number of completion tokens; online, the whole
+            generation batch's, as GRPO's `"dapo"`) or `"sum"` (summed over each sequence's tokens, averaged over the
+            batch).
         baseline (`float`, *optional*):
-            Baseline `c` subtracted from the rewards. Defaults to `0.0` (the paper's setting) for [`TOPRTrainer`]; in
-            [`run_topr_loop`], where neither this nor `target_positive_fraction` is set, TOPR's rounds train with
-            `target_positive_fraction=0.8`, and `baseline=0.0` is the paper's setting. Mutually exclusive with
+            Baseline `c` subtracted from the rewards. Defaults to `0.0` (the paper's setting); [`run_topr_loop`]
+            trains rounds that set neither this nor `target_positive_fraction` with its own default
+            ([`TOPRLoopConfig`]'s `default_target_positive_fraction`, 0.8). Mutually exclusive with
             `target_positive_fraction`.
         target_positive_fraction (`float`, *optional*):
-            Target effective positive fraction p_eff in (0, 1): the baseline is derived from the training set's
-            rewards so that the positives carry this share of the total weight. The paper found 0.1-0.2 best.
-            Mutually exclusive with `baseline`.
+            Target effective positive fraction p_eff in (0, 1): the baseline is derived from the rewards (offline the
+            training set's, online each generation batch's) so that the positives carry this share of the total
+            weight; 0 where the rewards are all equal. The paper found 0.1-0.2 best with its baseline sweep; the loop's
+            benchmark 0.8 (docs/benchmarks.md). Mutually exclusive with `baseline`.
+        bf16 (`bool`, *optional*):
+            bf16 mixed precision. Defaults to the hardware ([`~trl_topr.precision.bf16_is_faster`]) instead of TRL's
+            `True`: on where bf16 runs faster than float32 on the training device (GPUs from Ampere on; CPUs where a
+            short matmul probe, run once and cached, finds it at least 1.25x faster), off elsewhere, where emulated
+            bf16 can run many times slower. An explicit value is always used. Without an accelerator, `use_cpu` is set.
+        activation_checkpointing (`bool`, *optional*, defaults to `True`):
+            transformers' activation checkpointing, TRL's default; `gradient_checkpointing`, its deprecated alias, is
+            accepted too (and, before transformers 5.20, `activation_checkpointing` as its new name).
+    """
 
-        > Parameters that control the data
+    loss_type: str = field(
+        default="topr",
+        metadata={
+            "help": f"Weighting of positives / negatives: {LOSS_TYPES_HELP}. Replaces TRL's own `loss_type` "
+            "(SFT's nll/dft, GRPO's grpo/dapo/...).",
+            "choices": list(LOSS_TYPES),
+        },
+    )
+    positive_ratio_bounds: list[float] | None = field(
+        default=None,
+        metadata={
+            "help": "Custom window [a+, b+] of the importance ratio for positives. Defaults to the `loss_type` "
+            "preset ([1, 1] for 'topr').",
+            "nargs": 2,
+        },
+    )
+    negative_ratio_bounds: list[float] | None = field(
+        default=None,
+        metadata={
+            "help": "Custom window [a-, b-] of the importance ratio for negatives. Defaults to the `loss_type` "
+            "preset ([0, 1] for 'topr').",
+            "nargs": 2,
+        },
+    )
+    epsilon: float = field(default=0.2, metadata={"help": "Trust region of `loss_type='ppo_clip'`."})
+    ratio_level: str = field(
+        default="sequence",
+        metadata={
+            "help": "Level of the importance ratio: 'sequence' (the paper), 'token' or 'sequence_mean' "
+            "(length-normalized log-ratio).",
+            "choices": list(RATIO_LEVELS),
+        },
+    )
+    loss_normalization: str = field(
+        default="sequence_length",
+        metadata={
+            "help": "'sequence_length' (divide each sequence by its length, the paper), 'token_mean' or 'sum'.",
+            "choices": list(LOSS_NORMALIZATIONS),
+        },
+    )
+    baseline: float | None = field(
+        default=None,
+        metadata={
+            "help": "Baseline c subtracted from the rewards. Defaults to 0.0 (the paper's); the loop trains rounds "
+            "that set neither this nor `target_positive_fraction` with its `default_target_positive_fraction` (0.8). "
+            "Exclusive with `target_positive_fraction`."
+        },
+    )
+    target_positive_fraction: float | None = field(
+        default=None,
+        metadata={
+            "help": "Target effective positive fraction in (0, 1): the baseline is derived from the rewards (the "
+            "training set's, or online each generation batch's). Exclusive with `baseline`."
+        },
+    )
+    bf16: bool | None = field(
+        default=None,
+        metadata={
+            "help": "bf16 mixed precision. Defaults to the hardware: on where bf16 runs faster than float32 on the "
+            "training device (GPUs from Ampere on; CPUs where a short matmul probe, run once and cached, finds it "
+            "faster), off elsewhere, where it is far slower."
+        },
+    )
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={"help": "Deprecated alias of `activation_checkpointing` (transformers), which defaults to True."},
+    )
+    if CHECKPOINTING == "gradient_checkpointing":  # before transformers 5.20: the new name, accepted as the alias
+        activation_checkpointing: bool | None = field(
+            default=None, metadata={"help": "Activation checkpointing (transformers' `gradient_checkpointing`)."}
+        )
 
+    def __post_init__(self):
+        apply_training_defaults(self)  # before TRL's configuration validates the arguments
+        super().__post_init__()
+        check_topr_options(self)
+
+    def loss_options(self) -> dict:
+        """The options of [`topr_loss`] (all but the baseline): what every trainer passes it."""
+        return {
+            "ratio_level": self.ratio_level,
+            "loss_normalization": self.loss_normalization,
+            **self.weight_options(),
+        }
+
+    def weight_options(self) -> dict:
+        """The options of [`topr_weights`] and [`~trl_topr.loss.clamped_ratios`]: the ratio windows of each sign."""
+        return {
+            "loss_type": self.loss_type,
+            "positive_ratio_bounds": self.positive_ratio_bounds,
+            "negative_ratio_bounds": self.negative_ratio_bounds,
+            "epsilon": self.epsilon,
+        }
+
+
+@dataclass
+class TOPRConfig(TOPRArguments, SFTConfig):
+    r"""
+    Configuration class for the [`TOPRTrainer`]: what training reads, in the trainer and in each round of
+    [`run_topr_loop`] (whose own options, sampling included, are [`TOPRLoopConfig`]'s).
+
+    Extends TRL's [`~trl.SFTConfig`], whose data preprocessing (tokenization of prompt/completion pairs, chat
+    templates, `max_length` truncation) and model options (`model_init_kwargs`, PEFT, quantization) are used as they
+    are, with TOPR's options ([`TOPRArguments`]: `loss_type`, the ratio windows and level, `loss_normalization`,
+    `baseline` or `target_positive_fraction`). Only the parameters of the data are listed here; for the others see
+    [`TOPRArguments`], [`~trl.SFTConfig`] and [`~transformers.TrainingArguments`].
+
+    Parameters:
         prompt_column (`str`, *optional*, defaults to `"prompt"`):
             Column of the prompts (text, or a list of messages for conversational data).
         completion_column (`str`, *optional*, defaults to `"completion"`):
@@ -151,13 +250,9 @@ class TOPRConfig(ActivationCheckpointingName, SFTConfig):
     >   used 5e-7 for Llama 3 8B with Adafactor).
     > - `num_train_epochs`: Defaults to `1` instead of `3`: the paper trains one epoch on each generated dataset, and
     >   [`run_topr_loop`] trains `num_train_epochs` on each round's data.
-    > - `loss_type`: Defaults to `"topr"`, see above.
-    > - `bf16`: Defaults to the hardware ([`~trl_topr.precision.bf16_is_faster`]) instead of always `True`: on
-    >   where bf16 runs faster than float32 on the training device (GPUs from Ampere on; CPUs where a short matmul
-    >   probe, run once and cached, finds it at least 1.25x faster), off elsewhere, where emulated bf16 can run many
-    >   times slower than float32. An explicit value is always used. Without an accelerator, `use_cpu` is set.
-    > - `activation_checkpointing`: Defaults to `True`, TRL's default for its deprecated alias
-    >   `gradient_checkpointing` (set either; the new name avoids transformers' deprecation warning).
+    > - `loss_type`: Defaults to `"topr"` ([`TOPRArguments`]).
+    > - `bf16`: Defaults to the hardware instead of always `True`, and `activation_checkpointing` to `True` under its
+    >   current name ([`TOPRArguments`]).
 
     > [!NOTE]
     > `padding_free=True` ([`~trl.SFTConfig`]'s option) lays each batch's rows end to end without padding; the loss,
@@ -173,78 +268,6 @@ class TOPRConfig(ActivationCheckpointingName, SFTConfig):
     num_train_epochs: float = field(
         default=1.0,
         metadata={"help": "Epochs on the training data (in `run_topr_loop`: on each round's data). The paper's 1."},
-    )
-    bf16: bool | None = field(
-        default=None,
-        metadata={
-            "help": "bf16 mixed precision. Defaults to the hardware: on where bf16 runs faster than float32 on the "
-            "training device (GPUs from Ampere on; CPUs where a short matmul probe, run once and cached, finds it "
-            "faster), off elsewhere, where it is far slower."
-        },
-    )
-    gradient_checkpointing: bool | None = field(
-        default=None,
-        metadata={"help": "Deprecated alias of `activation_checkpointing` (transformers), which defaults to True."},
-    )
-
-    # Parameters that control the TOPR objective
-    loss_type: str = field(
-        default="topr",
-        metadata={
-            "help": f"Weighting of positives / negatives: {LOSS_TYPES_HELP}. Replaces SFTConfig's nll/dft "
-            "`loss_type`.",
-            "choices": list(LOSS_TYPES),
-        },
-    )
-    positive_ratio_bounds: list[float] | None = field(
-        default=None,
-        metadata={
-            "help": "Custom window [a+, b+] of the importance ratio for positives. Defaults to the `loss_type` "
-            "preset ([1, 1] for 'topr').",
-            "nargs": 2,
-        },
-    )
-    negative_ratio_bounds: list[float] | None = field(
-        default=None,
-        metadata={
-            "help": "Custom window [a-, b-] of the importance ratio for negatives. Defaults to the `loss_type` "
-            "preset ([0, 1] for 'topr').",
-            "nargs": 2,
-        },
-    )
-    epsilon: float = field(
-        default=0.2,
-        metadata={"help": "Trust region of `loss_type='ppo_clip'`."},
-    )
-    ratio_level: str = field(
-        default="sequence",
-        metadata={
-            "help": "Level of the importance ratio: 'sequence' (the paper), 'token' or 'sequence_mean' "
-            "(length-normalized log-ratio).",
-            "choices": list(RATIO_LEVELS),
-        },
-    )
-    loss_normalization: str = field(
-        default="sequence_length",
-        metadata={
-            "help": "'sequence_length' (divide each sequence by its length, the paper), 'token_mean' or 'sum'.",
-            "choices": list(LOSS_NORMALIZATIONS),
-        },
-    )
-    baseline: float | None = field(
-        default=None,
-        metadata={
-            "help": "Baseline c subtracted from the rewards. Defaults to 0.0 (the paper's) for the trainer; the loop "
-            "and the recipes, where neither this nor `target_positive_fraction` is set, train TOPR with "
-            "target_positive_fraction 0.8 (`--baseline 0` for the paper's). Exclusive with `target_positive_fraction`."
-        },
-    )
-    target_positive_fraction: float | None = field(
-        default=None,
-        metadata={
-            "help": "Target effective positive fraction in (0, 1); the baseline is derived from the training set. "
-            "Exclusive with `baseline`."
-        },
     )
 
     # Parameters that control the data
@@ -275,9 +298,7 @@ class TOPRConfig(ActivationCheckpointingName, SFTConfig):
         return state
 
     def __post_init__(self):
-        apply_training_defaults(self)
-        super().__post_init__()
-        check_topr_options(self)
+        super().__post_init__()  # TOPR's defaults and checks around SFTConfig's
         # TOPR's loss is a sum over each completion, and its mean is over the batch's completions: a batch holds
         # `per_device_train_batch_size` whole rows. `padding_free` keeps that (it only lays the rows end to end);
         # packing does not.

@@ -11,9 +11,9 @@ from trl.trainer import grpo_trainer
 from trl.trainer.utils import get_config_model_id
 
 from .baseline import baseline_for_positive_fraction
-from .config import ActivationCheckpointingName, TOPRConfig, apply_training_defaults, check_topr_options
+from .config import TOPRArguments, TOPRConfig
 from .generation.vllm_engine import TOPRVLLMGeneration
-from .loss import LOSS_TYPES_HELP, topr_loss
+from .loss import topr_loss
 from .trainer import TOPRTrainer, record_metrics, with_logged_metrics
 
 
@@ -28,14 +28,6 @@ GRPO_LOSS_OPTIONS = {
     "entropy_coef": 0.0,
     "use_adaptive_entropy": False,
 }
-TOPR_OPTIONS = (
-    "loss_type",
-    "ratio_level",
-    "loss_normalization",
-    "positive_ratio_bounds",
-    "negative_ratio_bounds",
-    "epsilon",
-)
 MULTIMODAL_INPUTS = (
     "pixel_values",
     "image_grid_thw",
@@ -50,45 +42,24 @@ MULTIMODAL_INPUTS = (
 )
 
 
-def _like_topr(name: str, **metadata):
-    # The default and the CLI metadata of TOPRConfig's field `name`, with `metadata` overriding it.
-    topr_field = TOPRConfig.__dataclass_fields__[name]
-    return field(default=topr_field.default, metadata={**topr_field.metadata, **metadata})
-
-
 @dataclass
-class TOPRGRPOConfig(ActivationCheckpointingName, GRPOConfig):
+class TOPRGRPOConfig(TOPRArguments, GRPOConfig):
     r"""
     Configuration class for the [`TOPRGRPOTrainer`].
 
-    Extends TRL's [`~trl.GRPOConfig`] (generation, rewards, batching, vLLM) with the options of [`TOPRConfig`], same
-    names and meaning. R is GRPO's combined reward (weighted sum of the reward functions), not its normalized
-    advantage, so `scale_rewards` only shapes GRPO's logs; the sign test and the weight use R - c, c set by at most one
-    of `baseline`, `target_positive_fraction`, `group_baseline`. GRPO's own loss options (`beta`, `delta`,
-    `epsilon_high`, `importance_sampling_level`, `top_entropy_quantile`, `off_policy_mask_threshold`, `entropy_coef`,
-    `use_adaptive_entropy`) must stay off: TOPR has no KL term, no reference model, and its own ratio options.
+    Extends TRL's [`~trl.GRPOConfig`] (generation, rewards, batching, vLLM) with TOPR's options ([`TOPRArguments`],
+    as [`TOPRConfig`]: `loss_type`, the ratio windows and level, `loss_normalization`, `baseline` or
+    `target_positive_fraction`) and `group_baseline`. `loss_type` replaces GRPO's (grpo/dapo/...) instead of adding a
+    second name: GRPO reads it only in the loss, which [`TOPRGRPOTrainer`] replaces, and scripts keep passing
+    `--loss_type`; `epsilon` is GRPO's clipping epsilon, reused as the trust region of `"ppo_clip"`. R is GRPO's
+    combined reward (weighted sum of the reward functions), not its normalized advantage, so `scale_rewards` only
+    shapes GRPO's logs; the sign test and the weight use R - c, c set by at most one of `baseline`,
+    `target_positive_fraction` (from each generation batch, all processes) and `group_baseline`. GRPO's own loss
+    options (`beta`, `delta`, `epsilon_high`, `importance_sampling_level`, `top_entropy_quantile`,
+    `off_policy_mask_threshold`, `entropy_coef`, `use_adaptive_entropy`) must stay off: TOPR has no KL term, no
+    reference model, and its own ratio options.
 
     Parameters:
-        loss_type (`str`, *optional*, defaults to `"topr"`):
-            TOPR's weighting, as in [`TOPRConfig`]: `"topr"`, `"reinforce"`, `"is"`, `"tis"`, `"positives_only"` or
-            `"ppo_clip"`. It replaces GRPO's `loss_type` (grpo/dapo/...) instead of adding a second name: GRPO reads
-            it only in the loss, which [`TOPRGRPOTrainer`] replaces, and scripts keep passing `--loss_type`.
-        positive_ratio_bounds (`list[float]`, *optional*):
-            Custom window `[a+, b+]` of the ratio pi/mu for positives. Defaults to the `loss_type` preset.
-        negative_ratio_bounds (`list[float]`, *optional*):
-            Custom window `[a-, b-]` for negatives. Defaults to the `loss_type` preset (`[0, 1]` for `"topr"`).
-        epsilon (`float`, *optional*, defaults to `0.2`):
-            GRPO's clipping epsilon, reused as the trust region `[1 - epsilon, 1 + epsilon]` of `"ppo_clip"`.
-        ratio_level (`str`, *optional*, defaults to `"sequence"`):
-            `"sequence"` (the paper), `"token"` or `"sequence_mean"`; replaces GRPO's `importance_sampling_level`.
-        loss_normalization (`str`, *optional*, defaults to `"sequence_length"`):
-            `"sequence_length"` (the paper) or `"sum"`, averaged over each micro-batch's sequences, or `"token_mean"`,
-            over the tokens of the whole generation batch (as GRPO's `"dapo"`).
-        baseline (`float`, *optional*):
-            Constant baseline c. Defaults to `0.0`, as in the paper's runs.
-        target_positive_fraction (`float`, *optional*):
-            Target effective positive fraction in (0, 1): c is derived from each generation batch (all processes),
-            `0.0` if its rewards are all equal.
         group_baseline (`bool`, *optional*, defaults to `False`):
             c is the mean reward of the prompt's `num_generations` completions: GRPO's baseline, without its scaling.
 
@@ -96,35 +67,14 @@ class TOPRGRPOConfig(ActivationCheckpointingName, GRPOConfig):
     hardware.
     """
 
-    loss_type: str = _like_topr(
-        "loss_type",
-        help=f"TOPR's weighting of positives / negatives: {LOSS_TYPES_HELP}. "
-        "Replaces GRPOConfig's grpo/dapo/... `loss_type`.",
-    )
-    positive_ratio_bounds: list[float] | None = _like_topr("positive_ratio_bounds")
-    negative_ratio_bounds: list[float] | None = _like_topr("negative_ratio_bounds")
-    epsilon: float = _like_topr("epsilon", help="Trust region of `loss_type='ppo_clip'` (GRPO's clipping epsilon).")
-    ratio_level: str = _like_topr("ratio_level")
-    loss_normalization: str = _like_topr("loss_normalization")
-    baseline: float | None = _like_topr("baseline")
-    target_positive_fraction: float | None = _like_topr(
-        "target_positive_fraction",
-        help="Target effective positive fraction in (0, 1): the baseline is derived from "
-        "each generation batch. Exclusive with `baseline` and `group_baseline`.",
-    )
     group_baseline: bool = field(
         default=False, metadata={"help": "Use the mean reward of each prompt's completions as the baseline."}
     )
 
-    bf16: bool | None = _like_topr("bf16")
-    gradient_checkpointing: bool | None = _like_topr("gradient_checkpointing")
-
     __getstate__ = TOPRConfig.__getstate__  # the pickled arguments never carry the Hub token
 
     def __post_init__(self):
-        apply_training_defaults(self)  # the precision from the hardware, as TOPRConfig
-        super().__post_init__()
-        check_topr_options(self)
+        super().__post_init__()  # TOPR's defaults and checks around GRPOConfig's
         for name, off in GRPO_LOSS_OPTIONS.items():
             if getattr(self, name) != off:
                 raise ValueError(f"`{name}` is an option of GRPO's loss, which TOPR replaces: leave it at {off!r}.")
@@ -241,7 +191,6 @@ class TOPRGRPOTrainer(GRPOTrainer):
         if (sampling := inputs.get("sampling_per_token_logps")) is not None:  # NaN: tokens vLLM could not score
             behavior_logps = torch.where(torch.isnan(sampling), behavior_logps, sampling)
         advantages = torch.nan_to_num(inputs["rewards"] - inputs["baselines"])  # R - c, 0 for unscorable completions
-        options = {name: getattr(self.args, name) for name in TOPR_OPTIONS}
         mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0  # no HF scaling, as GRPO
         num_items = None
@@ -252,7 +201,7 @@ class TOPRGRPOTrainer(GRPOTrainer):
             if mode == "train":
                 num_items = num_items * self.current_gradient_accumulation_steps / self.args.steps_per_generation
         loss, metrics = topr_loss(
-            per_token_logps, mask, advantages, behavior_logps, num_items_in_batch=num_items, **options
+            per_token_logps, mask, advantages, behavior_logps, num_items_in_batch=num_items, **self.args.loss_options()
         )
         if num_items is None:
             loss = loss / accumulation

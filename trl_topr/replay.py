@@ -172,12 +172,7 @@ def metrics_by_age(
     for i, values in zip(replayed, pi, strict=True):
         log_ratio[i] = math.fsum(values) - math.fsum(mu[i][: len(values)])
     advantages = torch.tensor(rows[REWARD], dtype=torch.float64) - baseline
-    windows = {
-        "loss_type": args.loss_type,
-        "epsilon": args.epsilon,
-        "positive_ratio_bounds": args.positive_ratio_bounds,
-        "negative_ratio_bounds": args.negative_ratio_bounds,
-    }
+    windows = args.weight_options()
     weights = topr_weights(log_ratio, advantages, **windows)
     clamped = clamped_ratios(log_ratio, advantages, **windows).double()
     mass = weights * advantages.abs()
