@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -381,3 +382,61 @@ def test_grpo_command_runs_trls_grpo_script_with_the_topr_trainer(tiny_model_pat
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "] Precision: " in result.stderr
     assert "TOPR" in (output / "README.md").read_text() and (output / "model.safetensors").exists()
+
+
+def test_the_grpo_command_takes_every_option_of_trls_grpo_script():
+    # the same dataclasses as TRL's script, the configuration swapped: every flag of `trl grpo` is a flag here, but
+    # `--no_gradient_checkpointing`, which argparse makes only for a boolean that defaults to True: TOPR's
+    # checkpointing options default to None (which name the user set decides which one transformers is given), and
+    # `--gradient_checkpointing false` says the same
+    from trl.scripts import grpo as trls
+
+    from trl_topr.scripts import grpo
+
+    def flags(parser) -> set[str]:
+        return {option for action in parser._actions for option in action.option_strings}
+
+    missing = flags(trls.make_parser()) - flags(grpo.make_parser())
+    assert missing == {"--no_gradient_checkpointing", "--no-gradient-checkpointing"}
+
+
+def test_a_trl_grpo_yaml_runs_unchanged_apart_from_the_trainer(tiny_model_path, tmp_path, monkeypatch):
+    # A configuration file written for `trl grpo`: a mixture of datasets (TRL's `datasets:` list, a local JSON file),
+    # a reward function of TRL's registry and one by dotted path; `trl-topr grpo --config` trains one step with it and
+    # saves a model whose card names TOPR
+    from trl_topr.scripts import grpo
+
+    (tmp_path / "my_rewards.py").write_text(
+        "def short(completions, **kwargs):\n    return [-len(c) for c in completions]\n"
+    )
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} + 3?"}]} for i in range(4)]  # TRL's take messages
+    write_jsonl(tmp_path / "prompts.jsonl", rows)
+    config = tmp_path / "grpo.yaml"
+    config.write_text(
+        textwrap.dedent(
+            f"""\
+            model_name_or_path: {tiny_model_path}
+            datasets:
+              - path: json
+                data_files: {tmp_path / "prompts.jsonl"}
+                split: train
+            reward_funcs: [think_format_reward, my_rewards.short]
+            num_generations: 2
+            per_device_train_batch_size: 2
+            max_completion_length: 6
+            max_steps: 1
+            report_to: none
+            use_cpu: true
+            output_dir: {tmp_path / "out"}
+            """
+        )
+    )
+    monkeypatch.chdir(tmp_path)  # the dotted path is importable from the working directory, as in TRL's script
+    args = grpo.make_parser().parse_args_and_config(["--config", str(config)], fail_with_unknown_args=False)
+    trainer = grpo.main(*args)
+    assert [type(f).__name__ if not callable(f) else f.__name__ for f in trainer.reward_funcs] == [
+        "think_format_reward",
+        "short",
+    ]
+    assert trainer.state.global_step == 1
+    assert "TOPR" in (tmp_path / "out" / "README.md").read_text() and (tmp_path / "out" / "model.safetensors").exists()
