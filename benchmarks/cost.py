@@ -190,7 +190,7 @@ def length_grouped(rows: dict, batch: int) -> dict:
 
 def bf16(fp32: bool, device: str = "cpu") -> bool:
     """The precision every trainer of the comparison uses: the library's rule for this device, unless --fp32."""
-    from trl_topr.precision import bf16_is_faster
+    from trl_topr.precision import bf16_is_faster  # internal: the library's rule, the same for every trainer
 
     return not fp32 and bf16_is_faster(device)
 
@@ -270,7 +270,7 @@ def worker(spec: dict) -> dict:
     from trl import KTOConfig, KTOTrainer, SFTConfig, SFTTrainer
 
     from trl_topr import TOPRConfig, TOPRTrainer
-    from trl_topr.data import PaddingFreeCollator
+    from trl_topr.data import PaddingFreeCollator  # internal: the bucketed padding-free layout, for SFT too
 
     disable_caching()
     torch.manual_seed(0)

@@ -201,8 +201,8 @@ def setup(scale: str, work: Path, quick: bool) -> dict:
         rows = reversal_rows(numbers[PRETRAIN_ROWS:])
         task = {"reward": reversal_reward, "answer": reversal_answer, "description": "tiny Llama, reverse 4 digits"}
     else:
+        from trl_topr import extract_final_answer, gsm8k_reward
         from trl_topr.embedded import smollm2_path
-        from trl_topr.rewards import extract_final_answer, gsm8k_reward
         from trl_topr.tasks import few_shot_prompts
 
         problems = product_problems()  # the first is the one-shot example
@@ -228,7 +228,7 @@ def setup(scale: str, work: Path, quick: bool) -> dict:
 
 def training_args(setting: dict, out: Path, lr: float, seed: int, **overrides) -> dict:
     from trl_topr.compat import CHECKPOINTING  # the name of the transformers installed (vLLM's pins an older one)
-    from trl_topr.precision import resolve_bf16
+    from trl_topr.precision import resolve_bf16  # internal: the library's precision rule, for every arm
 
     return {
         "output_dir": str(out),
@@ -308,8 +308,7 @@ def evaluate_test(setting: dict, folder: Path, seed: int, work: Path, use_vllm: 
     seed) is evaluated once per seed, in --work."""
     from transformers import AutoTokenizer
 
-    from trl_topr import TOPRConfig
-    from trl_topr.evaluation import evaluate_policy
+    from trl_topr import TOPRConfig, evaluate_policy
     from trl_topr.generation import generation_engine
 
     path = folder / "test.jsonl"
@@ -365,11 +364,10 @@ def run_grpo(setting: dict, lr: float, seed: int, folder: Path, use_vllm: bool) 
     from trl import GRPOConfig, GRPOTrainer
     from trl.trainer import grpo_trainer
 
-    from trl_topr import TOPRConfig
-    from trl_topr.evaluation import evaluate_policy
+    from trl_topr import TOPRConfig, evaluate_policy
     from trl_topr.generation import generation_engine
-    from trl_topr.generation.vllm_engine import TOPRVLLMGeneration
-    from trl_topr.loop import EVALUATION_FILE, round_prompts
+    from trl_topr.generation.vllm_engine import TOPRVLLMGeneration  # internal: vLLM's sampler as online TOPR has it
+    from trl_topr.loop import EVALUATION_FILE, round_prompts  # internal: the loop's files and prompt order, matched
 
     steps_per_round = setting["prompts"] * setting["num_samples"] // setting["batch"]
     metrics_file = folder / "metrics.jsonl"

@@ -99,8 +99,8 @@ def setup(scale: str, work: str, quick: bool) -> dict:
         held_out = reversal_rows(numbers[PRETRAIN_ROWS + settings["prompts"] :])
         task = {"reward": reversal_reward, "answer": reversal_answer, "description": "reverse 4 digits"}
     else:
+        from trl_topr import extract_final_answer, gsm8k_reward
         from trl_topr.embedded import smollm2_path
-        from trl_topr.rewards import extract_final_answer, gsm8k_reward
         from trl_topr.tasks import arithmetic_problems, few_shot_prompts
 
         # the README's embedded task: its 160 training and 83 test questions, its one-shot prompt

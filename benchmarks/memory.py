@@ -119,10 +119,8 @@ def worker(spec: dict) -> None:
     from accelerate.utils import gather_object
     from transformers import TrainerCallback
 
-    from trl_topr import TOPRConfig, TOPRLoopConfig, run_topr_loop
-    from trl_topr.compat import CHECKPOINTING
-    from trl_topr.loop import LoopCallback
-    from trl_topr.rewards import extract_final_answer, gsm8k_reward
+    from trl_topr import LoopCallback, TOPRConfig, TOPRLoopConfig, extract_final_answer, gsm8k_reward, run_topr_loop
+    from trl_topr.compat import CHECKPOINTING  # the name of the transformers installed
 
     rounds, trainers = {}, []
 

@@ -47,7 +47,12 @@ def main(argv=None) -> str:
 
     import torch
 
-    from trl_topr.precision import BF16_SPEEDUP_NEEDED, bf16_is_faster, device_type, measure_cpu_bf16_speedup
+    from trl_topr.precision import (  # internal: the probe this benchmark measures
+        BF16_SPEEDUP_NEEDED,
+        bf16_is_faster,
+        device_type,
+        measure_cpu_bf16_speedup,
+    )
 
     device = device_type()
     size, seconds = (64, 0.05) if args.quick else (1024, 2.0)

@@ -787,7 +787,7 @@ def iterative_seed_differences(folder: str, first: str, second: str) -> str:
 
 def embedded_rounds(folder: str) -> list[dict]:
     """The recipe's per-round metrics (`metrics.jsonl`), read as the loop reads them."""
-    from trl_topr.loop import read_rounds
+    from trl_topr import read_rounds
 
     READ.add(folder)
     return read_rounds(str(RESULTS / folder))

@@ -127,10 +127,10 @@ def main(argv=None) -> str:
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     from trl_topr import TOPRConfig, TOPRTrainer, generate_completions
-    from trl_topr.data import BEHAVIOR_LOGPS
-    from trl_topr.distributed import weights_fingerprint
+    from trl_topr.data import BEHAVIOR_LOGPS  # internal: the column the precompute writes, dropped to redo it
+    from trl_topr.distributed import weights_fingerprint  # internal: the check that both stages saw the same weights
     from trl_topr.generation import SamplingSettings
-    from trl_topr.logprobs import completion_logps
+    from trl_topr.logprobs import completion_logps  # internal: the precompute's forward alone, to place the difference
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as work:

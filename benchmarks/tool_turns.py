@@ -68,10 +68,12 @@ def main(argv=None) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_topr.generation import SamplingSettings, TransformersEngine, prompt_ids
-    from trl_topr.precision import bf16_is_faster
-    from trl_topr.rollout import prepare_tool_calling, rollout, with_tool_template
+    from trl_topr import with_tool_template
+    from trl_topr.generation import SamplingSettings, TransformersEngine
+    from trl_topr.precision import bf16_is_faster  # internal: the library's precision rule
+    from trl_topr.rollout import prepare_tool_calling, rollout  # internal: the rollout under each engine variant
     from trl_topr.tasks import calculator
+    from trl_topr.tokens import prompt_ids  # internal: the prompts' ids, as the rollout takes them
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as work:
@@ -79,7 +81,7 @@ def main(argv=None) -> str:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         tokenizer = with_tool_template(AutoTokenizer.from_pretrained(path))
     tools = [calculator]
-    prepare_tool_calling(tokenizer, tools, prompts)
+    prepare_tool_calling(tokenizer, tools)
     ids = [prompt_ids(tokenizer, prompt, tools) for prompt in prompts]
     sampled = SamplingSettings(num_samples=4, temperature=1.0, top_k=0, max_new_tokens=96, batch_size=16, seed=0)
     bf16 = bf16_is_faster(model.device)

@@ -39,7 +39,8 @@ def worker(arm: str, quick: bool, out: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trl_topr import TOPRLoopConfig
-    from trl_topr.generation import SamplingSettings, VLLMEngine, prompt_ids
+    from trl_topr.generation import SamplingSettings, VLLMEngine
+    from trl_topr.tokens import prompt_ids  # internal: the prompts' ids, as an engine takes them
     # take the tests' tiny Llama: its heads are too small)
 
     with tempfile.TemporaryDirectory() as work:

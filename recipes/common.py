@@ -11,9 +11,8 @@ import transformers
 from datasets import load_dataset
 from huggingface_hub import HfApi
 
-from trl_topr import TOPRConfig, TOPRLoopConfig
-from trl_topr.scripts.utils import show_messages
-from trl_topr.tasks import arithmetic_problems, few_shot_prompts, solution_text  # noqa: F401
+from trl_topr import TOPRConfig, TOPRLoopConfig, show_messages
+from trl_topr.tasks import arithmetic_problems, few_shot_prompts, solution_text  # noqa: F401  (the embedded task)
 
 
 def load_problems(script_args, seed: int) -> tuple[list[dict], list[dict]]:
@@ -30,6 +29,24 @@ def load_problems(script_args, seed: int) -> tuple[list[dict], list[dict]]:
     return list(data["train"]), list(data["test"])
 
 
+def set_model_init_kwargs(training_args: TOPRConfig, model_args) -> None:
+    """Load the models with TRL's `ModelConfig` options (`--dtype`, `--attn_implementation`, ...), under what
+    `training_args.model_init_kwargs` sets explicitly, as TRL's scripts do."""
+    options = {
+        "revision": model_args.model_revision,
+        "trust_remote_code": training_args.trust_remote_code,
+        "attn_implementation": model_args.attn_implementation,
+        "dtype": model_args.dtype,
+    }
+    training_args.model_init_kwargs = {**options, **(training_args.model_init_kwargs or {})}
+
+
+def model_name(model: str) -> str:
+    """The name of the model at `model` for the summary: where its weights were converted from (the embedded
+    SmolLM2-135M-Instruct's GGUF file), else its id or folder."""
+    return getattr(transformers.AutoConfig.from_pretrained(model), "converted_from", None) or model
+
+
 def evaluation_table(rounds: list[dict]) -> str:
     """Markdown table of the per-round evaluation (round 0 is the initial model)."""
     names = [
@@ -41,6 +58,7 @@ def evaluation_table(rounds: list[dict]) -> str:
             "invalid_rate",
             "tool_call_rate",
             "reward",
+            "baseline",
             "effective_positive_fraction",
         )
         if any(n in r for r in rounds)

@@ -43,27 +43,32 @@ import trl_topr  # noqa: F401  (first: it quiets the import-time notices of bits
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import transformers
 from common import (
     arithmetic_problems,
     evaluation_table,
     few_shot_prompts,
     load_problems,
+    model_name,
     publish,
     refuse_publishing_nothing,
+    set_model_init_kwargs,
     show_progress,
     solution_text,
 )
 from transformers import AutoTokenizer
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
-from trl_topr import TOPRConfig, TOPRLoopConfig, extract_final_answer, gsm8k_invalid, gsm8k_reward, run_topr_loop
-from trl_topr.embedded import smollm2_path
-from trl_topr.precision import device_type
-from trl_topr.rollout import with_tool_template
-from trl_topr.scripts.utils import set_model_init_kwargs
-from trl_topr.tasks import calculator
-from trl_topr.trainer import base_model_name
+from trl_topr import (
+    TOPRConfig,
+    TOPRLoopConfig,
+    extract_final_answer,
+    gsm8k_invalid,
+    gsm8k_reward,
+    run_topr_loop,
+    with_tool_template,
+)
+from trl_topr.embedded import smollm2_path  # the embedded default model
+from trl_topr.tasks import calculator  # the embedded task's tool
 
 
 __all__ = ["arithmetic_problems", "few_shot_prompts", "main", "make_parser", "solution_text", "summary"]
@@ -115,6 +120,7 @@ def main(
         with training_args.main_process_first(desc="SmolLM2 conversion"):
             model = smollm2_path()
     set_model_init_kwargs(training_args, model_args)
+    training_args = loop_args.training_args(training_args)  # what the rounds train with, which the card records
     train_problems, test_problems = load_problems(script_args, training_args.seed)
     shots, train_problems = train_problems[: script_args.num_shots], train_problems[script_args.num_shots :]
     train_problems = train_problems[: script_args.num_train_prompts]
@@ -156,7 +162,7 @@ def main(
                 script_args,
                 loop_args,
                 training_args,
-                base_model_name(transformers.AutoConfig.from_pretrained(model)),
+                model_name(model),
                 len(test_problems),
             )
         )
@@ -191,7 +197,7 @@ def summary(
         return "\n".join(
             [
                 f"Evaluated {model} on {num_eval} held-out {script_args.task} questions, without training "
-                f"(--num_rounds 0), in {precision} on {device_type(training_args.use_cpu)}:",
+                f"(--num_rounds 0), in {precision} on {training_args.device.type}:",
                 *(f"  {label:<22}{first.get(key, float('nan')):>8.3f}" for label, key in rows),
                 f"Metrics: {output / 'metrics.jsonl'}",
                 f"Done in {minutes} min {seconds:02d} s.",
@@ -201,7 +207,7 @@ def summary(
         f"Trained {model}",
         f"  with TOPR for {len(trained)} round(s) on {samples} sampled completions "
         f"({correct:.0%} correct) of {script_args.num_train_prompts or 'all the'} {script_args.task} questions, "
-        f"in {precision} on {device_type(training_args.use_cpu)}.",
+        f"in {precision} on {training_args.device.type}.",
         f"Evaluated on {num_eval} held-out questions:",
         f"  {'':<22}{'before':>8}{'after':>8}",
         *(

@@ -37,24 +37,36 @@ import trl_topr  # noqa: F401  (first: it quiets the import-time notices of bits
 
 # isort: split
 
-import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import transformers
 from accelerate import PartialState
-from common import few_shot_prompts, load_problems, publish, refuse_publishing_nothing, show_progress
+from common import (
+    few_shot_prompts,
+    load_problems,
+    model_name,
+    publish,
+    refuse_publishing_nothing,
+    set_model_init_kwargs,
+    show_progress,
+)
 from datasets import Dataset
 from transformers import AutoTokenizer
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
 from trl_topr import (
+    Sampler,
+    SamplingSettings,
     TOPRConfig,
     TOPRLoopConfig,
+    answers_match,
     best_of_n,
+    completion_text,
     extract_final_answer,
     extract_verdict,
+    generation_engine,
+    gold_answer,
     gsm8k_reward,
     run_topr_loop,
     verifier_invalid,
@@ -62,14 +74,7 @@ from trl_topr import (
     verifier_reward,
     weighted_vote,
 )
-from trl_topr.data import completion_text
-from trl_topr.embedded import smollm2_path
-from trl_topr.generation import GenerationEngine, SamplingSettings, generation_engine, prompt_ids
-from trl_topr.precision import device_type
-from trl_topr.rewards import answers_match, gold_answer
-from trl_topr.rollout import decode_completions
-from trl_topr.scripts.utils import set_model_init_kwargs
-from trl_topr.trainer import base_model_name
+from trl_topr.embedded import smollm2_path  # the embedded default model
 
 
 SOLUTIONS_FILE = "solutions.json"
@@ -119,21 +124,20 @@ def generate(
     settings: SamplingSettings,
     loop_args: TOPRLoopConfig,
     training_args: TOPRConfig,
-    engine: GenerationEngine | None = None,
+    sampler: Sampler | None = None,
 ) -> list[list]:
-    """Sampled completions of the same prompts by each model in turn (models sharing a tokenizer), with `engine`
-    (given each next model's folder) or, without it, the engine `loop_args` asks for, started for this call.
-    Every process generates a share and gets all of them."""
-    processing_class = AutoTokenizer.from_pretrained(model_paths[0])
-    ids = [prompt_ids(processing_class, prompt) for prompt in prompts]
-    own = engine is None
-    started = generation_engine(model_paths[0], processing_class, loop_args, training_args) if own else None
-    with started or contextlib.nullcontext(engine) as engine:
-        outputs = []
-        for path in model_paths:
-            engine.load_weights(path)
-            completions = engine.generate(ids, settings).completion_ids
-            outputs.append(decode_completions(processing_class, prompts, completions))
+    """Sampled completions of the same prompts by each model in turn (models sharing a tokenizer), with `sampler`
+    (given each next model's folder) or, without it, a sampler on the engine `loop_args` asks for, started for this
+    call. Every process generates a share and gets all of them."""
+    if sampler is None:
+        processing_class = AutoTokenizer.from_pretrained(model_paths[0])
+        with generation_engine(model_paths[0], processing_class, loop_args, training_args) as engine:
+            sampler = Sampler(None, processing_class, engine=engine)
+            return generate(model_paths, prompts, settings, loop_args, training_args, sampler)
+    outputs = []
+    for path in model_paths:
+        sampler.load_weights(path)
+        outputs.append(sampler.generate(prompts, settings).completions)
     return outputs
 
 
@@ -144,16 +148,16 @@ def sample_solutions(
     script_args: VerifierArguments,
     loop_args: TOPRLoopConfig,
     training_args: TOPRConfig,
-    engine: GenerationEngine | None = None,
+    sampler: Sampler | None = None,
 ) -> dict[str, list[dict]]:
     """The generator's solutions to each split's problems, `num_solutions` each, with their answer and correctness:
-    rows `question`, `answer` (gold), `solution`, `predicted`, `correct`, `question_index` (with `engine`, if
+    rows `question`, `answer` (gold), `solution`, `predicted`, `correct`, `question_index` (with `sampler`, if
     given)."""
     n = script_args.num_solutions
     everything = [problem for split in problems.values() for problem in split]
     settings = solution_settings(script_args, loop_args, training_args.seed)
     (completions,) = generate(
-        [generator], list(few_shot_prompts(everything, shots)["prompt"]), settings, loop_args, training_args, engine
+        [generator], list(few_shot_prompts(everything, shots)["prompt"]), settings, loop_args, training_args, sampler
     )
     golds = [problem["answer"] for problem in everything for _ in range(n)]
     rewards = gsm8k_reward(None, completions, answer=golds)
@@ -182,13 +186,13 @@ def verifier_scores(
     prompts: Dataset,
     loop_args: TOPRLoopConfig,
     training_args: TOPRConfig,
-    engine: GenerationEngine | None = None,
+    sampler: Sampler | None = None,
 ) -> list[list[float]]:
     """Each solution's score by each verifier: the share of its sampled verdicts (the evaluation's
-    `num_generations_eval`) that say "correct" (sampled with `engine`, if given)."""
+    `num_generations_eval`) that say "correct" (sampled with `sampler`, if given)."""
     settings = loop_args.eval_sampling(seed=training_args.seed)
     k, scores = settings.num_samples, []
-    for verdicts in generate(model_paths, list(prompts["prompt"]), settings, loop_args, training_args, engine):
+    for verdicts in generate(model_paths, list(prompts["prompt"]), settings, loop_args, training_args, sampler):
         said_correct = [extract_verdict(completion_text(v)) == "correct" for v in verdicts]
         scores.append([sum(said_correct[i * k : (i + 1) * k]) / k for i in range(len(prompts))])
     return scores
@@ -224,6 +228,7 @@ def main(
         with training_args.main_process_first(desc="SmolLM2 conversion"):
             model = smollm2_path()
     set_model_init_kwargs(training_args, model_args)
+    training_args = loop_args.training_args(training_args)  # what the rounds train with, which the card records
     generator = script_args.generator_model_name_or_path or model
     train_problems, test_problems = load_problems(script_args, training_args.seed)
     shots, train_problems = train_problems[: script_args.num_shots], train_problems[script_args.num_shots :]
@@ -238,6 +243,7 @@ def main(
     # One engine for every stage (one vLLM start): the solutions (when the verifier starts from the generator), the
     # loop's rounds, and the scores before and after; each stage gives it the weights it needs.
     with generation_engine(model, processing_class, loop_args, training_args) as engine:
+        sampler = Sampler(None, processing_class, engine=engine)
         if solutions_file.exists():  # a run started again: the same solutions, not new ones
             solutions = json.loads(solutions_file.read_text())
         else:  # every process generates a share and gets all of them
@@ -248,7 +254,7 @@ def main(
                 script_args,
                 loop_args,
                 training_args,
-                engine if generator == model else None,
+                sampler if generator == model else None,
             )
             if PartialState().is_main_process:
                 output_dir.mkdir(parents=True, exist_ok=True)
@@ -271,7 +277,7 @@ def main(
         final = output_dir / f"round-{rounds[-1]['round']}"
         trained = rounds[-1]["round"] > 0  # `--num_rounds 0` evaluates the initial verifier only
         scores = verifier_scores(
-            [model, str(final)] if trained else [model], test_prompts, loop_args, training_args, engine
+            [model, str(final)] if trained else [model], test_prompts, loop_args, training_args, sampler
         )
         before, after = scores[0], scores[-1]
     votes = {"before": vote_accuracies(solutions["test"], before), "after": vote_accuracies(solutions["test"], after)}
@@ -282,14 +288,14 @@ def main(
     }
     if PartialState().is_main_process:
         (output_dir / "verifier_results.json").write_text(json.dumps(results, indent=1))
-        name = base_model_name(transformers.AutoConfig.from_pretrained(model))
+        name = model_name(model)
         text = report(
             results,
             script_args,
             loop_args,
             name,
             "its own" if generator == model else f"{generator}'s",
-            device_type(training_args.use_cpu),
+            training_args.device.type,
         )
         if trained:
             publish(

@@ -180,21 +180,101 @@ def test_an_import_that_climbs_the_table_is_caught(tmp_path, monkeypatch):
     assert found.startswith("trl_topr/trajectories.py:") and "imports trl_topr.trainer" in found
 
 
+# ------------------------------------------------------------------------------------------------ the public surface
+# What a user imports: `trl_topr.__all__`, and `trl_topr.generation.__all__` for engine authors. The embedded default
+# (its model and its task) and the test fixtures are the recipes' and benchmarks' own, not the library's API.
+PUBLIC_PACKAGES = ("trl_topr", "trl_topr.generation")
+OWN_MODULES = ("trl_topr.embedded", "trl_topr.tasks", "trl_topr.testing")
+
+
+def public_surface() -> dict[str, object]:
+    """Every public name, `package.name`, and its object."""
+    import importlib
+
+    surface = {}
+    for package in PUBLIC_PACKAGES:
+        module = importlib.import_module(package)
+        surface.update({f"{package}.{name}": getattr(module, name) for name in module.__all__})
+    return surface
+
+
+def documented(api: str) -> list[str]:
+    """The names docs/api.md documents (`::: name`)."""
+    return re.findall(r"^::: ([\w.]+)$", api, re.M)
+
+
+def test_the_api_reference_documents_the_public_surface_and_nothing_else():
+    import importlib
+
+    surface = public_surface()
+    names = documented((ROOT / "docs" / "api.md").read_text())
+    objects = []
+    for name in names:
+        module, _, attribute = name.rpartition(".")
+        objects.append(getattr(importlib.import_module(module), attribute))
+    public = {id(value) for value in surface.values()}
+    internal = [name for name, value in zip(names, objects) if id(value) not in public]
+    assert not internal, f"docs/api.md documents names outside the public surface: {internal}"
+    missing = [name for name, value in surface.items() if id(value) not in {id(o) for o in objects}]
+    assert not missing, f"public names docs/api.md does not document: {missing}"
+    assert len(names) == len(set(map(id, objects))), "a name is documented twice"
+
+
+def non_public_imports(path: Path, allowed: tuple[str, ...] = OWN_MODULES) -> list[tuple[str, list[str], int]]:
+    """A script's imports of trl_topr that are not public names (nor the allowed modules'), with their line."""
+    public = set(public_surface())
+    found = []
+    for name, names, line in imports(path):
+        if not name.startswith("trl_topr") or name in allowed or (not names and name in PUBLIC_PACKAGES):
+            continue
+        outside = [n for n in names if f"{name}.{n}" not in public] if names else [name]
+        if outside:
+            found.append((name, outside, line))
+    return found
+
+
 def test_recipes_import_only_the_public_api():
-    # `trl_topr` itself, or names of its modules that docs/api.md documents (`::: trl_topr.module.name`)
-    api, missing = (ROOT / "docs" / "api.md").read_text(), []
-    for path in sorted((ROOT / "recipes").glob("*.py")):
-        for name, names, line in imports(path):
-            if name.startswith("trl_topr.") and name != "trl_topr":
-                undocumented = [n for n in names if f"::: {name}.{n}\n" not in api + "\n"]
-                if undocumented:
-                    missing.append(f"{path.relative_to(ROOT)}:{line} imports {undocumented} from {name}")
+    missing = [
+        f"{path.relative_to(ROOT)}:{line} imports {names} from {name}"
+        for path in sorted((ROOT / "recipes").glob("*.py"))
+        for name, names, line in non_public_imports(path)
+    ]
     assert not missing, missing
 
 
-# --------------------------------------------------------------------- short functions on the sampling/training path
-# The modules a round of the loop runs through, from sampling to training (docs/architecture.md).
-PATH_MODULES = ("loop.py", "sampling.py", "rollout.py", "evaluation.py", "trainer.py", "loss.py", "logprobs.py")
+def test_a_recipe_importing_an_internal_is_caught(tmp_path, monkeypatch):
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    path = tmp_path / "recipe.py"
+    path.write_text(
+        "import trl_topr\nfrom trl_topr import run_topr_loop\nfrom trl_topr.embedded import smollm2_path\n"
+    )
+    assert non_public_imports(path) == []
+    path.write_text(path.read_text() + "from trl_topr.precision import device_type\nimport trl_topr.rollout\n")
+    assert [(name, names) for name, names, _ in non_public_imports(path)] == [
+        ("trl_topr.precision", ["device_type"]),
+        ("trl_topr.rollout", ["trl_topr.rollout"]),
+    ]
+
+
+def test_benchmarks_reach_an_internal_only_where_a_comment_says_why():
+    # benchmarks measure what users run, through the public names; an import of anything else says why on its line
+    unexplained = []
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        lines = path.read_text().splitlines()
+        for name, names, line in non_public_imports(path):
+            if "#" not in lines[line - 1]:
+                unexplained.append(f"{path.relative_to(ROOT)}:{line} imports {names} from {name}")
+    assert not unexplained, unexplained
+
+
+def test_the_package_patches_nothing_at_run_time():
+    # no mock in the product: what it changes of TRL's behavior it subclasses, registers or injects
+    for path in package_files():
+        text = path.read_text()
+        assert "unittest" not in text and "mock" not in text, path.relative_to(ROOT)
+
+
+# ---------------------------------------------------------------------------------------------------- short functions
 MOST_LINES = 59  # "under 60"
 
 
@@ -218,9 +298,8 @@ def long_functions(paths: list[Path]) -> list[str]:
     return found
 
 
-def test_functions_on_the_sampling_and_training_path_stay_short():
-    paths = [PACKAGE / name for name in PATH_MODULES] + sorted((PACKAGE / "generation").glob("*.py"))
-    assert long_functions(paths) == []
+def test_every_function_of_the_package_stays_short():
+    assert long_functions(package_files()) == []
 
 
 def test_a_long_function_is_caught(tmp_path):

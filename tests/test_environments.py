@@ -9,9 +9,8 @@ from conftest import make_args
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl_topr import TOPRLoopConfig, run_topr_loop, sample_completions
+from trl_topr import TOPRLoopConfig, evaluate_policy, run_topr_loop, sample_completions
 from trl_topr.environments import Environments
-from trl_topr.evaluation import evaluate_policy
 from trl_topr.generation import SamplingSettings
 
 

@@ -13,9 +13,8 @@ from conftest import alive, make_args, recording_trainer
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl_topr import TOPRDataError, TOPRLoopConfig
+from trl_topr import TOPRDataError, TOPRLoopConfig, evaluate_policy
 from trl_topr.distributed import give_back_freed_memory
-from trl_topr.evaluation import evaluate_policy
 from trl_topr.generation import GenerationEngine, SamplingSettings
 from trl_topr.loop import read_rounds, run_topr_loop
 

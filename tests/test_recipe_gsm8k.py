@@ -301,3 +301,30 @@ def test_embedded_default_path_raises_no_deprecation_warning(tiny_model_path, tm
         tmp_path / "out" / "round-1" / "model.safetensors"
     ).exists()
     assert "Done in " in printed
+
+
+def test_the_card_and_the_records_say_what_the_rounds_trained_with(tiny_model_path, tmp_path):
+    # README's first command's configuration sets no baseline: the loop trains TOPR's rounds with its default target
+    # positive fraction, and the published card's settings, the round's line, its saved arguments and its trainer state
+    # all say so (a one-sided round, which no baseline can balance, trains with baseline 0 and records that instead)
+    import torch
+
+    script_args, loop_args, training_args, model_args = embedded_args(tiny_model_path, tmp_path / "out")
+    assert training_args.baseline is None and training_args.target_positive_fraction is None
+    gsm8k.main(script_args, loop_args, training_args, model_args)
+    card = (tmp_path / "out" / "round-1" / "README.md").read_text()
+    settings = json.loads(card.split("## Recipe settings")[1].split("```json")[1].split("```")[0])
+    assert settings["target_positive_fraction"] == loop_args.default_target_positive_fraction == 0.8
+    assert settings["default_target_positive_fraction"] == 0.8
+    (line,) = [json.loads(r) for r in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()][1:]
+    saved = torch.load(tmp_path / "out" / "round-1" / "training_args.bin", weights_only=False)
+    state = json.loads((tmp_path / "out" / "round-1" / "trainer_state.json").read_text())
+    logged = {entry.get("target_positive_fraction") for entry in state["log_history"] if "baseline" in entry}
+    assert saved.target_positive_fraction == line["target_positive_fraction"]
+    assert logged == {saved.target_positive_fraction}
+    samples = [json.loads(r) for r in (tmp_path / "out" / "round-1" / "samples.jsonl").read_text().splitlines()]
+    if len({row["reward"] for row in samples}) > 1:
+        assert line["target_positive_fraction"] == 0.8
+    else:
+        assert line["target_positive_fraction"] is None and line["baseline"] == 0.0
+    assert "| reward | baseline | effective_positive_fraction |" in card  # each round's baseline in the table

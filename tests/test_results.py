@@ -351,9 +351,9 @@ def test_replay_rounds_default_reading():
 def test_target_fraction_reading():
     # "What to set": the loop's target 0.8 is above the other targets the fast scale ran, each at its chosen rate:
     # 0.5 on-policy and with replay (area and last round), 0.2 with replay (area)
-    from trl_topr.loop import LOOP_TARGET_POSITIVE_FRACTION
+    from trl_topr import TOPRLoopConfig
 
-    assert LOOP_TARGET_POSITIVE_FRACTION == 0.8
+    assert TOPRLoopConfig().default_target_positive_fraction == 0.8
     for which in ("area", "last"):
         assert above("topr_peff0.8", "topr_peff0.5", which)
         assert above("topr_peff0.8+replay", "topr_peff0.5+replay", which)

@@ -10,8 +10,7 @@ from conftest import make_args, multiply
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl_topr import TOPRLoopConfig, TOPRTrainer, run_topr_loop, sample_completions
-from trl_topr.evaluation import evaluate_policy
+from trl_topr import TOPRLoopConfig, TOPRTrainer, evaluate_policy, run_topr_loop, sample_completions
 from trl_topr.generation import SamplingSettings
 from trl_topr.loop import read_rounds
 from trl_topr.trajectories import storable, trajectory_ids
@@ -215,8 +214,9 @@ def test_the_rollout_agrees_with_trls_grpo_tool_loop(tool_policy, tmp_path):
     # the completion ids and the tool mask are ours, token for token
     from trl import GRPOConfig, GRPOTrainer
 
-    from trl_topr.generation import TransformersEngine, prompt_ids
+    from trl_topr.generation import TransformersEngine
     from trl_topr.rollout import prepare_tool_calling, rollout
+    from trl_topr.tokens import prompt_ids
 
     config = GRPOConfig(
         str(tmp_path / "grpo"),
@@ -237,7 +237,7 @@ def test_the_rollout_agrees_with_trls_grpo_tool_loop(tool_policy, tmp_path):
     trl_mask = [row[:n] for row, n in zip(batch["tool_mask"].tolist(), lengths)]
 
     model, tokenizer = load(tool_policy)
-    prepare_tool_calling(tokenizer, [multiply], [PROMPT])
+    prepare_tool_calling(tokenizer, [multiply])
     ids = [prompt_ids(tokenizer, PROMPT, [multiply])] * 2
     ours = rollout(
         TransformersEngine(model, tokenizer, bf16=False), tokenizer, [PROMPT] * 2, ids, GREEDY, [multiply], 3
@@ -250,11 +250,12 @@ def test_the_rollout_agrees_with_trls_grpo_tool_loop(tool_policy, tmp_path):
 def test_the_next_turn_reuses_the_key_values_of_the_turn_before(tool_policy):
     # The transformers engine keeps a turn's key/values: the turn after the tool's result computes only the result,
     # the template's text around it and what it generates, and says what the engine computing everything says
-    from trl_topr.generation import TransformersEngine, prompt_ids
+    from trl_topr.generation import TransformersEngine
     from trl_topr.rollout import prepare_tool_calling, rollout
+    from trl_topr.tokens import prompt_ids
 
     model, tokenizer = load(tool_policy)
-    prepare_tool_calling(tokenizer, [multiply], [PROMPT])
+    prepare_tool_calling(tokenizer, [multiply])
     ids = [prompt_ids(tokenizer, PROMPT, [multiply])] * 2
     prefills = []  # the width of each forward that reads more than one new token: a turn's first
 

@@ -28,9 +28,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_topr import TOPRConfig, TOPRLoopConfig, TOPRTrainer, run_topr_loop, sample_completions
 from trl_topr.compat import CHECKPOINTING
-from trl_topr.generation import SamplingSettings, VLLMEngine, prompt_ids
+from trl_topr.generation import SamplingSettings, VLLMEngine
 from trl_topr.rewards import extract_final_answer, gsm8k_reward
 from trl_topr.sampling import generate_completions
+from trl_topr.tokens import prompt_ids
 from trl_topr.trajectories import trajectory_ids
 
 

@@ -8,42 +8,54 @@ from .quiet import silence_unactionable_notices
 silence_unactionable_notices()  # before PEFT imports bitsandbytes and accelerate imports DeepSpeed
 
 from .baseline import baseline_for_positive_fraction, effective_positive_fraction
-from .config import TOPRConfig
+from .config import TOPRArguments, TOPRConfig
 from .curation import anna_karenina, baseline_for_target, composition_report, rebalance
-from .data import DataCollatorForTOPR, TOPRDataError
-from .evaluation import best_of_n, evaluate_policy, weighted_vote
+from .data import DataCollatorForTOPR, TOPRDataError, completion_text
+from .evaluation import best_of_n, weighted_vote
 from .generation import SamplingSettings, generation_engine
 from .loop import LoopCallback, read_rounds, run_topr_loop
 from .loop_config import TOPRLoopConfig
 from .loss import topr_loss, topr_weights
 from .online import TOPRGRPOConfig, TOPRGRPOTrainer
 from .rewards import (
+    answers_match,
     extract_final_answer,
     extract_verdict,
+    gold_answer,
     gsm8k_invalid,
     gsm8k_reward,
     verifier_invalid,
     verifier_reward,
 )
-from .sampling import generate_completions, sample_completions, score_completions
+from .rollout import Trajectories, with_tool_template
+from .sampling import Rollout, Sampler, evaluate_policy, generate_completions, sample_completions, score_completions
+from .scripts.utils import show_messages
 from .trainer import TOPRTrainer
 from .verifier import verifier_prompts
 
 
+# The public API: what a user imports, documented in docs/api.md (with `trl_topr.generation`'s, for engine authors).
+# Everything else is internal and may change.
 __all__ = [
     "DataCollatorForTOPR",
     "LoopCallback",
+    "Rollout",
+    "Sampler",
     "SamplingSettings",
+    "TOPRArguments",
     "TOPRConfig",
     "TOPRDataError",
     "TOPRGRPOConfig",
     "TOPRGRPOTrainer",
     "TOPRLoopConfig",
     "TOPRTrainer",
+    "Trajectories",
     "anna_karenina",
+    "answers_match",
     "baseline_for_positive_fraction",
     "baseline_for_target",
     "best_of_n",
+    "completion_text",
     "composition_report",
     "effective_positive_fraction",
     "evaluate_policy",
@@ -51,6 +63,7 @@ __all__ = [
     "extract_verdict",
     "generate_completions",
     "generation_engine",
+    "gold_answer",
     "gsm8k_invalid",
     "gsm8k_reward",
     "read_rounds",
@@ -58,10 +71,12 @@ __all__ = [
     "run_topr_loop",
     "sample_completions",
     "score_completions",
+    "show_messages",
     "topr_loss",
     "topr_weights",
     "verifier_invalid",
     "verifier_prompts",
     "verifier_reward",
     "weighted_vote",
+    "with_tool_template",
 ]

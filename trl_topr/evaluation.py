@@ -1,145 +1,74 @@
-"""Evaluation of a policy on held-out prompts: pass@1 (greedy and sampled), maj@k, invalid and truncated rates; and
-the votes over sampled answers (majority, verifier-weighted, best-of-n)."""
+"""Evaluation of a policy on held-out prompts: pass@1 (greedy and sampled), maj@k, invalid and truncated rates, from
+the trajectories a [`~trl_topr.Sampler`] generated and judged ([`~trl_topr.Sampler.evaluate`],
+[`~trl_topr.evaluate_policy`]); and the votes over sampled answers (majority, verifier-weighted, best-of-n)."""
 
 from collections.abc import Callable, Sequence
 
-from datasets import Dataset
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-from .data import PROMPT, completion_text
-from .environments import EnvironmentFactory, Environments, as_environments
-from .generation import GenerationEngine, SamplingSettings, TransformersEngine
-from .rollout import Trajectories, prepare_tool_calling, rollout
-from .sampling import ENVIRONMENTS, checked_prompt_ids, score_completions
+from .data import completion_text
+from .generation import SamplingSettings
+from .rollout import Trajectories
 
 
-def evaluate_policy(
-    model: PreTrainedModel | None,
-    processing_class: PreTrainedTokenizerBase,
-    dataset: Dataset,
-    correct_func: Callable,
+def policy_metrics(
+    greedy: tuple[Trajectories, list[bool]],
+    sampled: tuple[Trajectories, list[bool]],
     answer_func: Callable[[str], str | None],
-    sampling: SamplingSettings | None = None,
-    *,
-    engine: GenerationEngine | None = None,
-    progress: bool = True,
-    bf16: bool | None = None,
-    tools: list[Callable] | None = None,
-    max_tool_calling_iterations: int | None = None,
-    environment_factory: EnvironmentFactory | Environments | None = None,
-    return_per_prompt: bool = False,
-) -> dict[str, float] | tuple[dict[str, float], list[dict[str, int]]]:
+    settings: SamplingSettings,
+    eos_ids: set[int],
+    with_tools: bool = False,
+) -> tuple[dict[str, float], list[dict[str, int]]]:
     """
-    Accuracy and validity of a policy's answers, as the TOPR paper reports them: greedy decoding, then
-    `sampling.num_samples` samples per prompt.
+    The metrics of [`~trl_topr.evaluate_policy`] from the greedy and the sampled trajectories of the held-out prompts,
+    each with whether it is correct.
 
     Args:
-        model ([`~transformers.PreTrainedModel`], *optional*):
-            Policy to evaluate (`None` with an `engine` that holds it).
-        processing_class ([`~transformers.PreTrainedTokenizerBase`]):
-            Its tokenizer.
-        dataset ([`~datasets.Dataset`]):
-            Held-out prompts (`prompt` column) and the columns `correct_func` needs (e.g. `answer`).
-        correct_func (`Callable`):
-            Reward function with TRL GRPO's signature; a completion is correct when its value is > 0 (e.g.
-            [`~trl_topr.rewards.gsm8k_reward`]).
+        greedy (`tuple[Trajectories, list[bool]]`):
+            One greedy trajectory per prompt, and whether each is correct.
+        sampled (`tuple[Trajectories, list[bool]]`):
+            `settings.num_samples` sampled trajectories per prompt (prompt-major), and whether each is correct.
         answer_func (`Callable[[str], str | None]`):
-            Final answer of a completion text, `None` when it has none (an invalid output); used for maj@k and the
-            invalid rate (e.g. [`~trl_topr.rewards.extract_final_answer`]).
-        sampling ([`~trl_topr.generation.SamplingSettings`], *optional*):
-            How to sample the k samples of the sampled pass@1 and maj@k (k = `num_samples`). Defaults to
-            `SamplingSettings(num_samples=4, seed=0)`.
-        engine ([`~trl_topr.generation.GenerationEngine`], *optional*):
-            Generate with this engine (e.g. vLLM, from [`~trl_topr.generation.generation_engine`]), holding the
-            policy's weights, instead of `model.generate`.
-        progress (`bool`, *optional*, defaults to `True`):
-            Show progress bars.
-        bf16 (`bool`, *optional*):
-            Generate under bf16 autocast (transformers, without an `engine`). Defaults to the hardware (see
-            [`~trl_topr.precision.bf16_is_faster`]).
-        tools (`list[Callable]`, *optional*):
-            Tools the policy may call, as in [`~trl_topr.sample_completions`]: each answer is then the last turn of
-            a trajectory ([`~trl_topr.rollout.rollout`]).
-        max_tool_calling_iterations (`int`, *optional*):
-            The most rounds of tool calls of a trajectory; `None` for no limit but the length.
-        environment_factory (`Callable` or `dict[str, Callable]`, *optional*):
-            TRL GRPO's environments, as in [`~trl_topr.sample_completions`]: each trajectory, greedy or sampled, gets
-            an instance reset with its row; `correct_func` gets them as `environments`.
-        return_per_prompt (`bool`, *optional*, defaults to `False`):
-            Also return each prompt's outcome, in the dataset's order: `{"greedy_correct": 0 or 1, "correct": the
-            number of its k samples that are correct, "invalid": the number without a final answer}`. Paired
-            comparisons of two policies on the same prompts (a bootstrap over prompts) need them.
+            A completion's final answer, `None` when it has none.
+        settings ([`~trl_topr.generation.SamplingSettings`]):
+            How the samples were drawn (their number k and `max_new_tokens`).
+        eos_ids (`set[int]`):
+            The ids that end a completion: a sample of `max_new_tokens` without one is truncated.
+        with_tools (`bool`, *optional*, defaults to `False`):
+            Also report the tool calls.
 
     Returns:
-        `dict[str, float]`: `pass@1_greedy` (greedy accuracy), `pass@1` (mean accuracy of the samples),
-        `maj@k` (accuracy of the most frequent valid answer among the k samples), `invalid_rate` (share of samples
-        without a final answer), `invalid_rate_greedy`, and two signs of degeneration: `truncated_rate` (share of
-        samples that reach `max_new_tokens` without ending) and `mean_length` (mean sample length in tokens). With
-        `tools`, also `tool_call_rate` and `tool_call_rate_greedy` (tool calls per sample) and `tool_failure_rate`
-        (failed calls per sample); the lengths count the tools' results too. With `return_per_prompt`, the tuple
-        `(metrics, per_prompt)`.
+        `tuple[dict[str, float], list[dict[str, int]]]`: the metrics, and each prompt's outcome.
     """
-    settings = sampling or SamplingSettings(num_samples=4, seed=0)
-    if engine is None:
-        if model is None:
-            raise ValueError("`evaluate_policy` needs a `model` or an `engine` holding it.")
-        engine = TransformersEngine(model, processing_class, bf16=bf16)
+    (greedy_run, greedy_correct), (sampled_run, sampled_correct) = greedy, sampled
     k = settings.num_samples
-    environments = as_environments(environment_factory, tools)
-
-    def run(sampling: SamplingSettings) -> tuple[Trajectories, list[bool]]:
-        # the trajectories, and whether each is correct
-        rows, own_tools, instances = dataset, tools, None
-        if environments is not None:  # one row per trajectory, with its environment
-            rows, own_tools, instances = environments.expand(dataset, sampling.num_samples)
-        prompts = list(rows[PROMPT])
-        prepare_tool_calling(processing_class, own_tools, prompts)
-        ids = checked_prompt_ids(processing_class, prompts, None, tools=own_tools)
-        if environments is not None:
-            sampling = sampling.replace(num_samples=1)
-        out = rollout(
-            engine, processing_class, prompts, ids, sampling, own_tools, max_tool_calling_iterations, progress
-        )
-        repeats = sampling.num_samples
-        repeated = {c: [v for v in rows[c] for _ in range(repeats)] for c in rows.column_names if c != PROMPT}
-        repeated |= {ENVIRONMENTS: instances} if instances is not None else {}
-        prompt_list = [p for p in prompts for _ in range(repeats)]
-        _, per_func = score_completions(prompt_list, out.completions, {"correct": correct_func}, **repeated)
-        return out, [value > 0 for value in per_func["correct"]]
-
-    (greedy_run, greedy_correct), (sampled_run, sampled_correct) = run(settings.greedy()), run(settings)
-    greedy, sampled, sampled_ids = greedy_run.completions, sampled_run.completions, sampled_run.completion_ids
+    sampled_answers = [answer_func(completion_text(c)) for c in sampled_run.completions]
+    sampled_ids = sampled_run.completion_ids
+    count = len(greedy_correct)
     tool_metrics = {}
-    if tools or environments is not None:
+    if with_tools:
         tool_metrics = {
             "tool_call_rate": _mean(sampled_run.tool_calls),
             "tool_call_rate_greedy": _mean(greedy_run.tool_calls),
             "tool_failure_rate": _mean(sampled_run.tool_failures),
         }
-    sampled_answers = [answer_func(completion_text(c)) for c in sampled]
-
-    majority_correct = [_majority_correct(sampled_answers, sampled_correct, i, k) for i in range(len(dataset))]
     metrics = {
         "pass@1_greedy": _mean(greedy_correct),
         "pass@1": _mean(sampled_correct),
-        f"maj@{k}": _mean(majority_correct),
+        f"maj@{k}": _mean([_majority_correct(sampled_answers, sampled_correct, i, k) for i in range(count)]),
         "invalid_rate": _mean([answer is None for answer in sampled_answers]),
-        "invalid_rate_greedy": _mean([answer_func(completion_text(c)) is None for c in greedy]),
+        "invalid_rate_greedy": _mean([answer_func(completion_text(c)) is None for c in greedy_run.completions]),
         "truncated_rate": _mean(
-            [len(sample) >= settings.max_new_tokens and sample[-1] not in engine.eos_ids for sample in sampled_ids]
+            [len(sample) >= settings.max_new_tokens and sample[-1] not in eos_ids for sample in sampled_ids]
         ),
         "mean_length": _mean([len(sample) for sample in sampled_ids]),
         **tool_metrics,
     }
-    if not return_per_prompt:
-        return metrics
     per_prompt = [
         {
             "greedy_correct": int(greedy_correct[i]),
             "correct": sum(sampled_correct[i * k : (i + 1) * k]),
             "invalid": sum(answer is None for answer in sampled_answers[i * k : (i + 1) * k]),
         }
-        for i in range(len(dataset))
+        for i in range(count)
     ]
     return metrics, per_prompt
 

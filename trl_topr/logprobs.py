@@ -176,6 +176,31 @@ def completion_row(
     return {"input_ids": prompt_ids + completion_ids, "labels": [-100] * len(prompt_ids) + labels}
 
 
+# Where the behavior log-probs mu of sampled completions come from: recomputed by the trainer's forward, or the
+# sampler's own (vLLM's)
+BEHAVIOR_LOGPS_SOURCES = ("trainer", "sampler")
+
+
+def check_behavior_logps_source(source: str, use_vllm: bool | None = None) -> None:
+    """
+    Check where the behavior log-probs of sampled completions are to come from: the one check of the option, run by
+    [`~trl_topr.TOPRLoopConfig`] (which knows the engine) and by [`~trl_topr.Sampler`].
+
+    Args:
+        source (`str`):
+            `"trainer"` (recomputed by the trainer's forward) or `"sampler"` (the engine's own log-probs, vLLM's).
+        use_vllm (`bool`, *optional*):
+            Whether the engine is vLLM, where known: `"sampler"` needs it.
+
+    Raises:
+        `ValueError`: naming `behavior_logps_source`.
+    """
+    if source not in BEHAVIOR_LOGPS_SOURCES:
+        raise ValueError(f"`behavior_logps_source` must be one of {BEHAVIOR_LOGPS_SOURCES}, got {source!r}.")
+    if source == "sampler" and use_vllm is False:
+        raise ValueError("`behavior_logps_source='sampler'` takes vLLM's log-probs: set `use_vllm=True` too.")
+
+
 @dataclasses.dataclass
 class LogpsSettings:
     """

@@ -2,7 +2,7 @@
 
 [`run_topr_loop`] reads as the paper's round; the helpers below it hold the rest: loading and saving each round's model
 (the LoRA merge, ZeRO-3's whole-weight loading), the round's trainer, and the metrics file. Generation goes through one
-engine ([`~trl_topr.generation`]), started once and given each round's weights."""
+[`~trl_topr.Sampler`], built once: its engine is started once and given each round's weights."""
 
 import dataclasses
 import importlib
@@ -24,11 +24,10 @@ from trl.trainer.utils import create_model_from_path
 
 from .baseline import effective_positive_fraction
 from .config import TOPRConfig
-from .data import PROMPT, REWARD, check_prompts
+from .data import REWARD
 from .distributed import check_saves_whole_weights, give_back_freed_memory, release_trainer, unsharded_loading
-from .environments import EnvironmentFactory, as_environments
-from .evaluation import evaluate_policy
-from .generation import GenerationEngine, generation_engine
+from .environments import EnvironmentFactory
+from .generation import GenerationEngine
 from .loop_config import TOPRLoopConfig
 from .replay import (
     SAMPLE_ROUND,
@@ -38,27 +37,18 @@ from .replay import (
     replayed_rounds,
     with_replayed_rows,
 )
-from .rollout import prepare_tool_calling
 from .sampling import (
     TOOL_CALL_COUNT,
     TOOL_FAILURE_COUNT,
     RewardFuncs,
+    Sampler,
     behavior_logps_mismatch,
-    checked_prompt_ids,
-    reward_functions,
-    sample_completions,
 )
 from .trainer import TOPRTrainer
 
 
 logger = get_logger(__name__)
 
-# The loop's baseline where the training configuration sets none (neither `baseline` nor `target_positive_fraction`)
-# for TOPR's loss: each round's baseline makes its positives carry this share of the weight. The iterative benchmark's
-# fast scale puts it above the paper's baseline 0, on-policy and with replay, and its second real scale with replay,
-# by paired intervals (docs/benchmarks.md, "What to set"; benchmarks/results/iterative-fast and iterative-real-v2).
-# `baseline=0.0` is the paper's setting, one flag away.
-LOOP_TARGET_POSITIVE_FRACTION = 0.8
 METRICS_FILE = "metrics.jsonl"
 EVALUATION_FILE = "evaluation"  # round-<r>/evaluation[-<name>].jsonl: each held-out prompt's outcome
 PLOTTED = ("reward", "pass@1", "invalid_rate", "effective_positive_fraction")
@@ -196,9 +186,10 @@ def run_topr_loop(
             `num_train_epochs` on its data (or `max_steps` steps, when set), with a fresh optimizer and schedule;
             `seed` + r seeds round r's sampling, `seed` the evaluation's; `disable_tqdm` hides the progress bars.
             Where it sets no baseline (neither `baseline` nor `target_positive_fraction`), TOPR's rounds train with
-            `target_positive_fraction=0.8` (`LOOP_TARGET_POSITIVE_FRACTION`: what the iterative benchmark found
-            above the paper's baseline 0 at its fast scale and its second real scale, with paired intervals);
-            `baseline=0.0` is the paper's setting.
+            `target_positive_fraction` = `loop_args.default_target_positive_fraction` (0.8: what the iterative
+            benchmark found above the paper's baseline 0, see [`TOPRLoopConfig.training_args`]); `baseline=0.0` is
+            the paper's setting. Each round records the `baseline` and `target_positive_fraction` it trained with in
+            `metrics.jsonl`, its `training_args.bin` and its trainer state.
         eval_prompts ([`~datasets.Dataset`] or `dict[str, Dataset]`, *optional*):
             Held-out prompts evaluated after every round with [`evaluate_policy`] (needs `correct_func` and
             `answer_func`). A dict evaluates each of its datasets, as TRL's `eval_dataset` does, and names each metric
@@ -252,30 +243,38 @@ def run_topr_loop(
     [`~trl_topr.replay.read_train_rows`]).
     """
     loop_args = loop_args if loop_args is not None else TOPRLoopConfig()
-    _check_arguments(model, loop_args, train_args, engine, correct_func=correct_func, answer_func=answer_func)
-    environments = as_environments(environment_factory, tools)
-    _check_prompts_and_rewards(
-        train_prompts, eval_prompts, reward_funcs, loop_args, correct_func, answer_func, environments
-    )
-    curate = curation_function(loop_args.curation)
+    _check_arguments(model, loop_args, train_args, correct_func=correct_func, answer_func=answer_func)
+    train_args, curate = loop_args.training_args(train_args), curation_function(loop_args.curation)
     processing_class = processing_class or AutoTokenizer.from_pretrained(model)
-    _prepare_prompts(processing_class, train_prompts, eval_prompts, train_args.max_length, tools, environments)
+    sampler = Sampler.from_config(
+        None,
+        processing_class,
+        loop_args,
+        train_args,
+        reward_funcs,
+        engine=engine,
+        tools=tools,
+        environment_factory=environment_factory,
+        progress=not train_args.disable_tqdm,
+    )
+    _check_prompts(sampler, train_prompts, eval_prompts, loop_args, train_args, correct_func, answer_func)
     models = _RoundModels(model, train_args, processing_class, peft_config, quantization_config)
     log = _RoundLog(train_args.output_dir, callbacks or [])
     log.check_resumable(loop_args.num_rounds, loop_args.replay_rounds)  # before anything is written
-    generation = _RoundGeneration(loop_args, train_args, processing_class, engine, tools, environments)
-    evaluation = dict(eval_prompts=eval_prompts, correct_func=correct_func, answer_func=answer_func, log=log)
-    try:
+    evaluate = _Evaluation(sampler, eval_prompts, correct_func, answer_func, loop_args, train_args.seed, log)
+    with sampler:  # closes the engine it started
         if not log.rounds:
             policy = models.load(model)
-            log.record({"round": 0, **generation.evaluate(0, model, policy, **evaluation)})
-            generation.engine.release_weights()
+            log.record({"round": 0, **evaluate(0, model, policy)})
+            sampler.release_weights()
             del policy
         for round_index in range(log.rounds[-1]["round"] + 1, loop_args.num_rounds + 1):
             round_dir, previous = log.start_round(round_index), models.folder_before(round_index, log.output_dir)
             policy = models.load(previous)
             prompts = round_prompts(train_prompts, round_index, loop_args.prompts_per_round)
-            samples = generation.sample(round_index, previous, policy, prompts, reward_funcs)
+            sampler.load_weights(previous, model=policy)
+            logger.info(f"Round {round_index}/{loop_args.num_rounds}: sampling completions of {len(prompts)} prompts")
+            samples = sampler.sample(prompts, loop_args.sampling(seed=train_args.seed + round_index))
             log.save_samples(samples, round_dir)
             own = curate(samples) if curate is not None else samples
             own = own.add_column(SAMPLE_ROUND, [round_index] * len(own))
@@ -289,94 +288,36 @@ def run_topr_loop(
             train_loss = trainer.train().training_loss
             log.save_trainer_state(trainer, round_dir)
             models.save(trainer, previous, round_dir)
-            held_out = generation.evaluate(
-                round_index, str(round_dir), trainer.model, getattr(trainer, "deepspeed", None), **evaluation
-            )
+            held_out = evaluate(round_index, str(round_dir), trainer.model, getattr(trainer, "deepspeed", None))
             metrics = _round_metrics(samples, own, train_data, trainer, train_loss)
             log.record({"round": round_index, **metrics, **ages, **held_out})
-            generation.engine.release_weights()
+            sampler.release_weights()
             release_trainer(trainer)  # the round's model, optimizer and training engine go with it
             del trainer, policy
             clear_device_cache(garbage_collection=True)  # now, not later: a model sits in reference cycles
             give_back_freed_memory()  # or the allocator's reserve of it grows round after round
-    finally:
-        generation.close()
     return read_rounds(str(log.output_dir))
 
 
-def _prepare_prompts(processing_class, train_prompts, eval_prompts, max_length, tools, environments) -> None:
-    # Once per loop, before anything is generated: the tools' template and parser (each environment's), and every
-    # training prompt leaving room for a completion (before its environment's reset adds to it)
-    def tools_of(prompts: Dataset):
-        return tools if environments is None else [environments.tools(n) for n in environments.names(prompts)]
+class _Evaluation:
+    # The held-out evaluation of a round's model: each set of `eval_prompts`, through the loop's sampler, its metrics
+    # named after the set and each prompt's outcome saved
+    def __init__(self, sampler: Sampler, eval_prompts, correct_func, answer_func, loop_args, seed: int, log):
+        self.sampler, self.sets, self.log = sampler, _named(eval_prompts), log
+        self.correct_func, self.answer_func = correct_func, answer_func
+        self.sampling = loop_args.eval_sampling(seed=seed)
 
-    for prompts in [train_prompts, *_named(eval_prompts).values()]:
-        prepare_tool_calling(processing_class, tools_of(prompts), list(prompts[PROMPT]))
-    checked_prompt_ids(
-        processing_class, list(train_prompts[PROMPT]), max_length, "train prompts", tools_of(train_prompts)
-    )
-
-
-class _RoundGeneration:
-    # What the rounds generate with: one engine, started when first needed (or the caller's), each round's sampling
-    # and the evaluations, as the loop's configuration asks
-    def __init__(self, loop_args, train_args, processing_class, engine, tools, environments):
-        self.loop_args, self.train_args, self.processing_class = loop_args, train_args, processing_class
-        self.engine, self.owned, self.progress = engine, engine is None, not train_args.disable_tqdm
-        self.options = {
-            "tools": tools,
-            "max_tool_calling_iterations": loop_args.max_tool_calling_iterations,
-            "environment_factory": environments,
-        }
-
-    def start(self, policy) -> GenerationEngine:
-        if self.engine is None:
-            self.engine = generation_engine(policy, self.processing_class, self.loop_args, self.train_args)
-        return self.engine
-
-    def sample(self, round_index: int, folder: str, policy, prompts: Dataset, reward_funcs) -> Dataset:
-        self.start(policy).load_weights(folder, model=policy)
-        logger.info(f"Round {round_index}/{self.loop_args.num_rounds}: sampling completions of {len(prompts)} prompts")
-        return sample_completions(
-            policy,
-            prompts,
-            reward_funcs,
-            processing_class=self.processing_class,
-            reward_weights=self.loop_args.reward_weights,
-            sampling=self.loop_args.sampling(seed=self.train_args.seed + round_index),
-            args=self.train_args,
-            engine=self.engine,
-            behavior_logps_source=self.loop_args.behavior_logps_source,
-            progress=self.progress,
-            **self.options,
-        )
-
-    def evaluate(
-        self, round_index, folder, policy, training_engine=None, *, eval_prompts, correct_func, answer_func, log
-    ) -> dict[str, float]:
-        self.start(policy).load_weights(folder, model=policy, training_engine=training_engine)
+    def __call__(self, round_index: int, folder: str, policy, training_engine=None) -> dict[str, float]:
+        self.sampler.load_weights(folder, model=policy, training_engine=training_engine)
         metrics = {}
-        for name, prompts in _named(eval_prompts).items():
+        for name, prompts in self.sets.items():
             logger.info(f"Evaluating on {len(prompts)} held-out prompts{f' ({name})' if name else ''}")
-            values, per_prompt = evaluate_policy(
-                None,
-                self.processing_class,
-                prompts,
-                correct_func,
-                answer_func,
-                self.loop_args.eval_sampling(seed=self.train_args.seed),
-                engine=self.engine,
-                progress=self.progress,
-                return_per_prompt=True,
-                **self.options,
+            values, per_prompt = self.sampler.evaluate(
+                prompts, self.correct_func, self.answer_func, self.sampling, return_per_prompt=True
             )
-            log.save_evaluation(per_prompt, round_index, name)
+            self.log.save_evaluation(per_prompt, round_index, name)
             metrics.update({f"{name}/{key}" if name else key: value for key, value in values.items()})
         return metrics
-
-    def close(self) -> None:
-        if self.owned and self.engine is not None:
-            self.engine.close()  # keeps the processes' torch.distributed group for the script's next steps
 
 
 def curation_function(name: str | None) -> Callable[[Dataset], Dataset] | None:
@@ -446,7 +387,7 @@ def round_prompts(prompts: Dataset, round_index: int, prompts_per_round: int | N
     return prompts.select([(start + i) % len(prompts) for i in range(prompts_per_round)])
 
 
-def _check_arguments(model, loop_args, train_args, engine, **callables) -> None:
+def _check_arguments(model, loop_args, train_args, **callables) -> None:
     # The loop's own arguments, before anything is loaded or written
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(
@@ -458,22 +399,16 @@ def _check_arguments(model, loop_args, train_args, engine, **callables) -> None:
         raise TypeError(f"`loop_args` must be a `TOPRLoopConfig`, got a {type(loop_args).__name__}.")
     if not isinstance(train_args, TOPRConfig):
         raise TypeError(f"`train_args` must be a `TOPRConfig`, got a {type(train_args).__name__}.")
-    if engine is not None and not isinstance(engine, GenerationEngine):
-        raise TypeError(
-            f"`engine` must be a `GenerationEngine` (`trl_topr.generation`), got a {type(engine).__name__}."
-        )
     for name, value in callables.items():
         if value is not None and not callable(value):
             raise TypeError(f"`{name}` must be callable, got a {type(value).__name__}.")
     curation_function(loop_args.curation)  # a name that resolves to no function fails here
 
 
-def _check_prompts_and_rewards(
-    train_prompts, eval_prompts, reward_funcs, loop_args, correct_func, answer_func, environments
-):
-    # The prompts and what scores their completions, before anything is generated
-    check_prompts(train_prompts, "train prompts")
-    reward_functions(reward_funcs, loop_args.reward_weights, environments)
+def _check_prompts(sampler, train_prompts, eval_prompts, loop_args, train_args, correct_func, answer_func) -> None:
+    # The prompts, before anything is generated: each training prompt leaving room for a completion (before its
+    # environment's reset adds to it), the evaluation sets as the sampler reads them
+    sampler.check_prompts(train_prompts, "train prompts", train_args.max_length)
     if loop_args.prompts_per_round is not None and loop_args.prompts_per_round > len(train_prompts):
         raise ValueError(
             f"`prompts_per_round` ({loop_args.prompts_per_round}) is more than the {len(train_prompts)} train "
@@ -486,7 +421,7 @@ def _check_prompts_and_rewards(
         if isinstance(eval_prompts, dict) and not eval_prompts:
             raise ValueError("`eval_prompts` is an empty dict: give at least one named dataset, or `None`.")
         for name, prompts in _named(eval_prompts).items():
-            check_prompts(prompts, f"eval prompts {name!r}" if name else "eval prompts")
+            sampler.check_prompts(prompts, f"eval prompts {name!r}" if name else "eval prompts")
 
 
 def _named(eval_prompts) -> dict[str, Dataset]:
@@ -530,8 +465,6 @@ def _round_trainer(policy, train_data: Dataset, args: TOPRConfig, round_dir: Pat
     # `args.num_train_epochs` (or `max_steps`) of TOPR on the round's data. The model is loaded here, and the loop's
     # caller publishes the final model: not every round's trainer.
     round_args = dataclasses.replace(args, output_dir=str(round_dir), model_init_kwargs=None, push_to_hub=False)
-    if args.loss_type == "topr" and args.baseline is None and args.target_positive_fraction is None:
-        round_args = dataclasses.replace(round_args, target_positive_fraction=LOOP_TARGET_POSITIVE_FRACTION)
     if round_args.target_positive_fraction is not None and len(set(train_data[REWARD])) < 2:
         # no baseline changes a one-sided round's composition: train it with baseline 0, as the online trainer
         # does for such a batch, rather than stop the loop
@@ -580,6 +513,8 @@ def _round_metrics(
         "num_new_train_rows": len(own),  # the rows of train.jsonl, which replay checks its reading against
         "num_train_rows": len(train_data),
         "train_loss": train_loss,
+        "baseline": trainer.baseline,  # what the round trained with
+        "target_positive_fraction": trainer.args.target_positive_fraction,
         **behavior_logps_mismatch(samples),
         **_tool_frequencies(samples),
     }

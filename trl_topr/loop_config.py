@@ -1,7 +1,12 @@
+import dataclasses
 from dataclasses import dataclass, field
 
-from .generation.arguments import VLLMArguments
+from trl import GRPOConfig
+
+from .config import TOPRConfig
+from .generation.arguments import VLLMArguments, like_trl
 from .generation.settings import SamplingSettings
+from .logprobs import BEHAVIOR_LOGPS_SOURCES, check_behavior_logps_source
 
 
 @dataclass
@@ -15,8 +20,7 @@ class TOPRLoopConfig(VLLMArguments):
     The generation engine's options are inherited from [`~trl_topr.generation.arguments.VLLMArguments`], as in TRL's
     [`~trl.GRPOConfig`]: `use_vllm`, `vllm_mode`, `vllm_server_base_url`, `vllm_server_host`, `vllm_server_port`,
     `vllm_server_timeout`, `vllm_gpu_memory_utilization`, `vllm_max_model_length`, `vllm_tensor_parallel_size`,
-    `vllm_enable_sleep_mode`, `vllm_model_impl`, `vllm_enforce_eager`, and `behavior_logps_source` (where mu comes
-    from) and `max_tool_calling_iterations` (the tools' limit).
+    `vllm_enable_sleep_mode`, `vllm_model_impl`, `vllm_enforce_eager`.
 
     Parameters:
         num_rounds (`int`, *optional*, defaults to `1`):
@@ -51,6 +55,21 @@ class TOPRLoopConfig(VLLMArguments):
         num_generations_eval (`int`, *optional*):
             Samples per held-out prompt in the evaluation (the k of maj@k and of the sampled pass@1). Defaults to
             `num_generations`.
+        behavior_logps_source (`str`, *optional*, defaults to `"trainer"`):
+            Where the behavior log-probs mu of sampled completions come from. `"trainer"`: recomputed by the
+            trainer's forward, exactly consistent with pi (one forward pass); the sampler's own log-probs, when it
+            returns any, are compared with them (logged as `behavior_logps_mismatch_*`). `"sampler"`: vLLM's raw
+            log-probs (free, the distribution actually sampled, but computed by other kernels, in the engine's
+            precision; needs `use_vllm`). See `docs/sampling.md`.
+        max_tool_calling_iterations (`int`, *optional*):
+            TRL GRPO's option, for sampling with `tools`: the most tool-calling turns of a trajectory. `None`: no
+            limit; a trajectory ends when the policy answers without calling a tool, or when its length reaches
+            `max_completion_length`.
+        default_target_positive_fraction (`float`, *optional*, defaults to `0.8`):
+            The target positive fraction TOPR's rounds train with where the training configuration sets no baseline
+            (neither `baseline` nor `target_positive_fraction`): what the iterative benchmark found above the paper's
+            baseline 0 (docs/benchmarks.md, "What to set"). `None` trains them with [`TOPRConfig`]'s own default,
+            baseline 0. [`training_args`] applies it, and the rounds record what they trained with.
 
     Example:
     ```python
@@ -105,8 +124,31 @@ class TOPRLoopConfig(VLLMArguments):
         metadata={"help": "Samples per held-out prompt (k of maj@k and sampled pass@1); defaults to num_generations."},
     )
 
+    behavior_logps_source: str = field(
+        default="trainer",
+        metadata={
+            "help": "Behavior log-probs of sampled completions: 'trainer' (recomputed by the trainer's forward, "
+            "consistent with pi) or 'sampler' (vLLM's raw log-probs, free).",
+            "choices": BEHAVIOR_LOGPS_SOURCES,
+        },
+    )
+    max_tool_calling_iterations: int | None = like_trl(GRPOConfig, "max_tool_calling_iterations")
+    default_target_positive_fraction: float | None = field(
+        default=0.8,
+        metadata={
+            "help": "Target positive fraction of TOPR's rounds where the training configuration sets no baseline "
+            "(None: TOPRConfig's default, baseline 0)."
+        },
+    )
+
     def __post_init__(self):
         self.check_vllm_arguments()
+        check_behavior_logps_source(self.behavior_logps_source, self.use_vllm)
+        if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
+            raise ValueError(f"`max_tool_calling_iterations` must be >= 0, got {self.max_tool_calling_iterations}.")
+        target = self.default_target_positive_fraction
+        if target is not None and not 0.0 < target < 1.0:
+            raise ValueError(f"`default_target_positive_fraction` must be in (0, 1) or None, got {target}.")
         for name in ("num_rounds", "replay_rounds"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -155,3 +197,31 @@ class TOPRLoopConfig(VLLMArguments):
             [`~trl_topr.generation.SamplingSettings`]: the evaluation's settings.
         """
         return self.sampling(seed).replace(num_samples=self.num_generations_eval or self.num_generations)
+
+    def training_args(self, train_args: TOPRConfig) -> TOPRConfig:
+        """
+        The training configuration the rounds train with: `train_args`, with `target_positive_fraction` set to
+        `default_target_positive_fraction` where it trains TOPR's loss (`loss_type="topr"`) and sets no baseline.
+        [`run_topr_loop`] trains with it, and records it; a recipe that publishes what trained reads it here.
+
+        Args:
+            train_args ([`TOPRConfig`]):
+                The training configuration.
+
+        Returns:
+            [`TOPRConfig`]: `train_args` itself where nothing changes, else a copy.
+
+        Example:
+        ```python
+        >>> from trl_topr import TOPRConfig, TOPRLoopConfig
+
+        >>> TOPRLoopConfig().training_args(TOPRConfig("out", use_cpu=True)).target_positive_fraction
+        0.8
+        >>> TOPRLoopConfig().training_args(TOPRConfig("out", use_cpu=True, baseline=0.0)).target_positive_fraction
+
+        ```
+        """
+        unset = train_args.baseline is None and train_args.target_positive_fraction is None
+        if train_args.loss_type != "topr" or not unset or self.default_target_positive_fraction is None:
+            return train_args
+        return dataclasses.replace(train_args, target_positive_fraction=self.default_target_positive_fraction)

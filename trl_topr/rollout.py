@@ -3,19 +3,18 @@ completion is a one-turn trajectory; with tools, as TRL's GRPO trainer samples (
 `max_tool_calling_iterations`), the policy generates a turn, the tool calls TRL's `parse_response` finds in it are run,
 their results appended, and the policy goes on, until it answers without a call or reaches the limit. Each trajectory
 is recorded with the token ids generated and appended and, with tools, TRL's `tool_mask` (1 on the tokens the policy
-generated, 0 on the rest). Sampling ([`~trl_topr.sample_completions`]) and evaluation
-([`~trl_topr.evaluate_policy`]) both call [`rollout`]."""
+generated, 0 on the rest). A [`~trl_topr.Sampler`] calls [`rollout`] to sample and to evaluate."""
 
 import dataclasses
 import time
-import weakref
 from collections.abc import Callable
 
 from transformers import PreTrainedTokenizerBase
 from trl.chat_template_utils import add_response_schema, parse_response, supports_tool_calling
 
 from .distributed import on_main_process
-from .generation import GenerationEngine, Generations, SamplingSettings, text_tokenizer
+from .generation import GenerationEngine, Generations, SamplingSettings
+from .tokens import text_tokenizer
 from .trajectories import TrajectoryError, tool_suffix_ids
 
 
@@ -53,46 +52,32 @@ class Trajectories:
     tokens_per_s: float
 
 
-def prepare_tool_calling(
-    processing_class: PreTrainedTokenizerBase, tools: list[Callable] | list[list[Callable]] | None, prompts: list
-) -> None:
+def prepare_tool_calling(processing_class: PreTrainedTokenizerBase, tools: list[Callable]) -> None:
     """
-    Check that the chat template can show tools and their results, and give the tokenizer TRL's response parser for
-    its template when it has none ([`~trl.chat_template_utils.add_response_schema`]), as TRL's GRPO trainer does.
+    Check that tools can be shown and called, and that the chat template can show them and their results; give the
+    tokenizer TRL's response parser for its template when it has none
+    ([`~trl.chat_template_utils.add_response_schema`]), as TRL's GRPO trainer does. A [`~trl_topr.Sampler`] runs it
+    once per set of tools, when it is built.
 
     Args:
         processing_class ([`~transformers.PreTrainedTokenizerBase`]):
             The tokenizer.
-        tools (`list[Callable]` or `list[list[Callable]]`, *optional*):
+        tools (`list[Callable]`):
             The tools: functions with type hints and a docstring describing their arguments (what
-            `apply_chat_template` turns into their schemas); or one list per prompt (see [`rollout`]). `None` or none:
-            nothing to prepare.
-        prompts (`list`):
-            The prompts the policy will answer with the tools: lists of messages.
+            `apply_chat_template` turns into their schemas).
 
     Raises:
-        `ValueError`: for text prompts, a template that cannot render a tool-calling conversation or that TRL knows
-            no parser for, a tool that is not a function, or two tools of one name.
+        `ValueError`: for a tool that is not a function, two tools of one name, or a template that cannot render a
+            tool-calling conversation or that TRL knows no parser for.
     """
     if not tools:
         return
-    if isinstance(tools[0], list):
-        for own in {tuple(t.__name__ for t in own): own for own in tools}.values():  # each set of tools once
-            prepare_tool_calling(processing_class, own, prompts)
-        return
-    if not all(isinstance(prompt, list) for prompt in prompts):
-        raise ValueError(
-            "Sampling with `tools` needs conversational prompts (lists of messages): the chat template shows the "
-            "tools and their results."
-        )
     not_functions = [tool for tool in tools if not callable(tool) or not hasattr(tool, "__name__")]
     if not_functions:
         raise ValueError(f"`tools` must be functions, got {not_functions[0]!r}.")
     names = [tool.__name__ for tool in tools]
     if len(set(names)) < len(names):
         raise ValueError(f"`tools` must have distinct names (the policy calls them by name), got {names}.")
-    if tuple(names) in _PREPARED.get(processing_class, set()):
-        return  # this tokenizer is ready for these tools: the loop prepares them once, its rounds reuse that
     if not supports_tool_calling(processing_class):
         raise ValueError(
             "The chat template cannot render a tool-calling conversation (user -> assistant with tool_calls -> "
@@ -102,11 +87,6 @@ def prepare_tool_calling(
     tokenizer = text_tokenizer(processing_class)
     if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
         add_response_schema(processing_class)
-    _PREPARED.setdefault(processing_class, set()).add(tuple(names))
-
-
-# The tokenizers checked and given a response parser for a set of tools (by their names), as long as they live
-_PREPARED: "weakref.WeakKeyDictionary[PreTrainedTokenizerBase, set[tuple[str, ...]]]" = weakref.WeakKeyDictionary()
 
 
 def with_tool_template(processing_class: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:

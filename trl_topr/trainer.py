@@ -467,14 +467,9 @@ class TOPRTrainer(SFTTrainer):
             completion_mask,
             inputs["rewards"],
             behavior_logps,
-            loss_type=self.args.loss_type,
             baseline=self.baseline,
-            ratio_level=self.args.ratio_level,
-            loss_normalization=self.args.loss_normalization,
-            positive_ratio_bounds=self.args.positive_ratio_bounds,
-            negative_ratio_bounds=self.args.negative_ratio_bounds,
-            epsilon=self.args.epsilon,
             num_items_in_batch=num_items_in_batch if token_mean_over_batch else None,
+            **self.args.loss_options(),
         )
         if mode == "train":  # `loss_is_scaled_for_ga`: the scaling for accumulation and processes is done here
             if self.args.loss_normalization == "token_mean" and token_mean_over_batch:
@@ -498,8 +493,12 @@ class TOPRTrainer(SFTTrainer):
         return loss.detach(), None, None
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        # TOPR's metrics in place of SFTTrainer's own
-        super(SFTTrainer, self).log(with_logged_metrics(logs, self._metrics, self.model.training), start_time)
+        # TOPR's metrics in place of SFTTrainer's own; beside the baseline, the target it was derived from, so that
+        # the trainer's state records what trained
+        logs = with_logged_metrics(logs, self._metrics, self.model.training)
+        if "baseline" in logs and self.args.target_positive_fraction is not None:
+            logs["target_positive_fraction"] = self.args.target_positive_fraction
+        super(SFTTrainer, self).log(logs, start_time)
 
     def create_model_card(
         self, model_name: str | None = None, dataset_name: str | None = None, tags: str | list[str] | None = None

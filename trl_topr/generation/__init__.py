@@ -14,19 +14,25 @@ A new engine is one module of this package with a subclass of [`GenerationEngine
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .arguments import BEHAVIOR_LOGPS_SOURCES, VLLMArguments, engine_name
-from .engine import GenerationEngine, Generations, end_of_sequence_ids, padding_id, prompt_ids, text_tokenizer
+from .arguments import VLLMArguments, engine_name
+from .engine import GenerationEngine, Generations
 from .settings import SamplingSettings
 from .transformers_engine import TransformersEngine, load_whole_model
 from .vllm_engine import VLLMEngine
 
 
-# The engines by name: what `engine_name` reads from a configuration, and the class that builds it (`from_config`).
 ENGINES: dict[str, type[GenerationEngine]] = {"transformers": TransformersEngine, "vllm": VLLMEngine}
+"""The engines by name: what [`engine_name`] reads from a configuration, and the class that builds it
+(`from_config`)."""
 
 
 def generation_engine(
-    model: "str | PreTrainedModel", processing_class: PreTrainedTokenizerBase, args=None, train_args=None
+    model: "str | PreTrainedModel",
+    processing_class: PreTrainedTokenizerBase,
+    args=None,
+    train_args=None,
+    *,
+    bf16: bool | None = None,
 ) -> GenerationEngine:
     """
     The generation engine that `args` asks for ([`~trl_topr.generation.arguments.engine_name`] picks its name in
@@ -46,6 +52,8 @@ def generation_engine(
             The training configuration whose precision (`bf16`), `model_init_kwargs` and `trust_remote_code` the
             engine generates and loads weights with; `None` for the defaults (the precision the hardware computes
             fastest).
+        bf16 (`bool`, *optional*):
+            Generate in bf16 (`True`) or not (`False`), whatever `train_args` says.
 
     Returns:
         [`GenerationEngine`]: a [`VLLMEngine`] or a [`TransformersEngine`]; close it (or use it in a `with` block)
@@ -53,18 +61,18 @@ def generation_engine(
 
     Example:
     ```python
-    >>> from trl_topr import TOPRLoopConfig
-    >>> from trl_topr.generation import SamplingSettings, generation_engine, prompt_ids
+    >>> from trl_topr import Sampler, TOPRLoopConfig
+    >>> from trl_topr.generation import SamplingSettings, generation_engine
 
     >>> loop_args = TOPRLoopConfig(use_vllm=True)  # doctest: +SKIP
     >>> model = "HuggingFaceTB/SmolLM2-135M-Instruct"
     >>> with generation_engine(model, tokenizer, loop_args) as engine:  # doctest: +SKIP
-    ...     out = engine.generate([prompt_ids(tokenizer, "2 + 2 =")], SamplingSettings(num_samples=4, seed=0))
+    ...     out = Sampler(processing_class=tokenizer, engine=engine).generate(["2 + 2 ="], SamplingSettings(4))
 
     ```
     """
     options = {
-        "bf16": getattr(train_args, "bf16", None),
+        "bf16": bf16 if bf16 is not None else getattr(train_args, "bf16", None),
         "model_init_kwargs": getattr(train_args, "model_init_kwargs", None),
         "trust_remote_code": getattr(train_args, "trust_remote_code", False),
     }
@@ -74,7 +82,6 @@ def generation_engine(
 
 
 __all__ = [
-    "BEHAVIOR_LOGPS_SOURCES",
     "ENGINES",
     "GenerationEngine",
     "Generations",
@@ -82,10 +89,6 @@ __all__ = [
     "TransformersEngine",
     "VLLMArguments",
     "VLLMEngine",
-    "end_of_sequence_ids",
     "engine_name",
     "generation_engine",
-    "padding_id",
-    "prompt_ids",
-    "text_tokenizer",
 ]

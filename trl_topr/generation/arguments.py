@@ -1,7 +1,7 @@
 """
-The options of the generation layer, as flat fields that [`~trl_topr.TOPRConfig`] inherits (so the CLI and YAML
-flags keep TRL's names): TRL GRPO's vLLM options, the source of the behavior log-probs, and [`engine_name`], which
-reads from them which engine of [`~trl_topr.generation.ENGINES`] a configuration asks for.
+The options of the generation engines, as flat fields that [`~trl_topr.TOPRLoopConfig`] inherits (so the CLI and YAML
+flags keep TRL's names): TRL GRPO's vLLM options, and [`engine_name`], which reads from them which engine of
+[`~trl_topr.generation.ENGINES`] a configuration asks for.
 """
 
 from dataclasses import dataclass, field
@@ -22,21 +22,34 @@ VLLM_FIELDS = (
     "vllm_enable_sleep_mode",
     "vllm_model_impl",
 )
-BEHAVIOR_LOGPS_SOURCES = ("trainer", "sampler")
 
 
-def _like_grpo(name: str):
-    # GRPOConfig's field `name`: its default and its help, so that the vLLM options read as in TRL's GRPO
-    grpo_field = GRPOConfig.__dataclass_fields__[name]
-    return field(default=grpo_field.default, metadata=dict(grpo_field.metadata))
+def like_trl(config_class: type, name: str, **metadata):
+    """
+    A field of a TRL configuration class, as it is there: its default and its help (or `metadata` in their place), so
+    that an option trl-topr takes from TRL reads as in TRL, with its name on the command line.
+
+    Args:
+        config_class (`type`):
+            The TRL configuration class (e.g. [`~trl.GRPOConfig`]).
+        name (`str`):
+            The field's name.
+        **metadata:
+            Entries of the field's metadata to replace (e.g. `help`).
+
+    Returns:
+        `dataclasses.Field`: the field.
+    """
+    trl_field = config_class.__dataclass_fields__[name]
+    return field(default=trl_field.default, metadata={**trl_field.metadata, **metadata})
 
 
 @dataclass
 class VLLMArguments:
     r"""
-    Sampling with vLLM: TRL's GRPO options (same names, defaults and meaning), read by [`~trl_topr.run_topr_loop`],
-    [`~trl_topr.sample_completions`], `recipes/gsm8k.py` and `trl-topr sample`, and the choice of the behavior
-    log-probs.
+    Sampling with vLLM: TRL's GRPO options (same names, defaults and meaning), read by
+    [`~trl_topr.generation.generation_engine`] for [`~trl_topr.run_topr_loop`], [`~trl_topr.Sampler.from_config`],
+    `recipes/gsm8k.py` and `trl-topr sample` / `eval`.
 
     Parameters:
         use_vllm (`bool`, *optional*, defaults to `False`):
@@ -66,29 +79,19 @@ class VLLMArguments:
             vLLM's `enforce_eager` for a colocated engine (a server takes `--enforce-eager`): run the model without
             compiling it. Defaults to `True` on CPU, where vLLM's compilation holds up the first token for about a
             minute, and to vLLM's own default (compiled) on GPUs.
-        behavior_logps_source (`str`, *optional*, defaults to `"trainer"`):
-            Where the behavior log-probs mu of sampled completions come from. `"trainer"`: recomputed by the
-            trainer's forward, exactly consistent with pi (one forward pass); the sampler's own log-probs, when it
-            returns any, are compared with them (logged as `behavior_logps_mismatch_*`). `"sampler"`: vLLM's raw
-            log-probs (free, the distribution actually sampled, but computed by other kernels, in the engine's
-            precision). See `docs/sampling.md`.
-        max_tool_calling_iterations (`int`, *optional*):
-            TRL GRPO's option, for sampling with `tools` ([`~trl_topr.sample_completions`], the loop): the most
-            tool-calling turns of a trajectory. `None`: no limit; a trajectory ends when the policy answers without
-            calling a tool, or when its length reaches `max_new_tokens`.
     """
 
-    use_vllm: bool = _like_grpo("use_vllm")
-    vllm_mode: str = _like_grpo("vllm_mode")
-    vllm_server_base_url: str | None = _like_grpo("vllm_server_base_url")
-    vllm_server_host: str = _like_grpo("vllm_server_host")
-    vllm_server_port: int = _like_grpo("vllm_server_port")
-    vllm_server_timeout: float = _like_grpo("vllm_server_timeout")
-    vllm_gpu_memory_utilization: float = _like_grpo("vllm_gpu_memory_utilization")
-    vllm_max_model_length: int | None = _like_grpo("vllm_max_model_length")
-    vllm_tensor_parallel_size: int = _like_grpo("vllm_tensor_parallel_size")
-    vllm_enable_sleep_mode: bool = _like_grpo("vllm_enable_sleep_mode")
-    vllm_model_impl: str = _like_grpo("vllm_model_impl")
+    use_vllm: bool = like_trl(GRPOConfig, "use_vllm")
+    vllm_mode: str = like_trl(GRPOConfig, "vllm_mode")
+    vllm_server_base_url: str | None = like_trl(GRPOConfig, "vllm_server_base_url")
+    vllm_server_host: str = like_trl(GRPOConfig, "vllm_server_host")
+    vllm_server_port: int = like_trl(GRPOConfig, "vllm_server_port")
+    vllm_server_timeout: float = like_trl(GRPOConfig, "vllm_server_timeout")
+    vllm_gpu_memory_utilization: float = like_trl(GRPOConfig, "vllm_gpu_memory_utilization")
+    vllm_max_model_length: int | None = like_trl(GRPOConfig, "vllm_max_model_length")
+    vllm_tensor_parallel_size: int = like_trl(GRPOConfig, "vllm_tensor_parallel_size")
+    vllm_enable_sleep_mode: bool = like_trl(GRPOConfig, "vllm_enable_sleep_mode")
+    vllm_model_impl: str = like_trl(GRPOConfig, "vllm_model_impl")
     vllm_enforce_eager: bool | None = field(
         default=None,
         metadata={
@@ -96,29 +99,11 @@ class VLLMArguments:
             "(compiling holds up the first token for a minute or more), vLLM's default on GPUs."
         },
     )
-    behavior_logps_source: str = field(
-        default="trainer",
-        metadata={
-            "help": "Behavior log-probs of sampled completions: 'trainer' (recomputed by the trainer's forward, "
-            "consistent with pi) or 'sampler' (vLLM's raw log-probs, free).",
-            "choices": BEHAVIOR_LOGPS_SOURCES,
-        },
-    )
-
-    max_tool_calling_iterations: int | None = _like_grpo("max_tool_calling_iterations")
 
     def check_vllm_arguments(self) -> None:
         """Raise a `ValueError` naming the field when a vLLM option has an unknown value."""
         if self.vllm_mode not in ("colocate", "server"):
             raise ValueError(f"`vllm_mode` must be 'colocate' or 'server', got {self.vllm_mode!r}.")
-        if self.behavior_logps_source not in BEHAVIOR_LOGPS_SOURCES:
-            raise ValueError(
-                f"`behavior_logps_source` must be one of {BEHAVIOR_LOGPS_SOURCES}, got {self.behavior_logps_source!r}."
-            )
-        if self.behavior_logps_source == "sampler" and not self.use_vllm:
-            raise ValueError("`behavior_logps_source='sampler'` takes vLLM's log-probs: set `use_vllm=True` too.")
-        if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
-            raise ValueError(f"`max_tool_calling_iterations` must be >= 0, got {self.max_tool_calling_iterations}.")
 
 
 def engine_name(args) -> str:

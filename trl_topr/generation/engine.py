@@ -8,7 +8,6 @@ import time
 from transformers import PreTrainedTokenizerBase
 
 from ..distributed import map_across_processes
-from ..tokens import end_of_sequence_ids, padding_id, prompt_ids, text_tokenizer  # noqa: F401  (re-exported)
 from .settings import SamplingSettings
 
 

@@ -16,7 +16,8 @@ from trl.trainer.utils import create_model_from_path
 
 from ..distributed import full_weights, unsharded_loading
 from ..precision import autocast
-from .engine import GenerationEngine, end_of_sequence_ids, text_tokenizer
+from ..tokens import end_of_sequence_ids, text_tokenizer
+from .engine import GenerationEngine
 from .settings import SamplingSettings
 
 

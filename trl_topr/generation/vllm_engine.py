@@ -25,8 +25,9 @@ from accelerate import PartialState
 from accelerate.logging import get_logger
 from trl.generation.vllm_generation import VLLMGeneration
 
+from ..tokens import end_of_sequence_ids
 from .arguments import VLLMArguments
-from .engine import GenerationEngine, end_of_sequence_ids
+from .engine import GenerationEngine
 from .settings import SamplingSettings
 
 

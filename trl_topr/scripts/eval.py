@@ -79,8 +79,8 @@ class EvalArguments:
 
 def main(script_args: EvalArguments, prompt_args: PromptArguments, loop_args, training_args, model_args):
     """
-    Evaluate the model with [`~trl_topr.evaluate_policy`], print the metrics as JSON and write them to
-    `script_args.output_path`.
+    Evaluate the model with a [`~trl_topr.Sampler`] (as [`~trl_topr.evaluate_policy`]), print the metrics as JSON and
+    write them to `script_args.output_path`.
 
     Args:
         script_args ([`EvalArguments`]):
@@ -105,8 +105,7 @@ def main(script_args: EvalArguments, prompt_args: PromptArguments, loop_args, tr
     from transformers import AutoTokenizer
     from trl.trainer.utils import create_model_from_path
 
-    from trl_topr import evaluate_policy
-    from trl_topr.generation import generation_engine
+    from trl_topr import Sampler
 
     correct_func = import_function(script_args.correct_func)
     answer_func = import_function(script_args.answer_func)
@@ -122,16 +121,9 @@ def main(script_args: EvalArguments, prompt_args: PromptArguments, loop_args, tr
     tokenizer = AutoTokenizer.from_pretrained(
         model_path, revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code
     )
-    with generation_engine(model, tokenizer, loop_args, training_args) as engine:
-        metrics = evaluate_policy(
-            model,
-            tokenizer,
-            prompts,
-            correct_func,
-            answer_func,
-            loop_args.eval_sampling(seed=training_args.seed),
-            engine=engine,
-            progress=state.is_main_process,
+    with Sampler.from_config(model, tokenizer, loop_args, training_args, progress=state.is_main_process) as sampler:
+        metrics = sampler.evaluate(
+            prompts, correct_func, answer_func, loop_args.eval_sampling(seed=training_args.seed)
         )
     if state.is_main_process:
         text = json.dumps(metrics, indent=2)

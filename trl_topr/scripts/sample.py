@@ -81,7 +81,7 @@ class SampleArguments:
 
 def main(script_args: SampleArguments, prompt_args: PromptArguments, loop_args, training_args, model_args):
     """
-    Sample, score and save a TOPR dataset with [`~trl_topr.sample_completions`].
+    Sample, score and save a TOPR dataset with a [`~trl_topr.Sampler`].
 
     Args:
         script_args ([`SampleArguments`]):
@@ -104,8 +104,7 @@ def main(script_args: SampleArguments, prompt_args: PromptArguments, loop_args, 
     from transformers import AutoTokenizer
     from trl.trainer.utils import create_model_from_path
 
-    from trl_topr import sample_completions
-    from trl_topr.generation import generation_engine
+    from trl_topr import Sampler
 
     reward_funcs = [import_function(path) for path in script_args.reward_funcs]
     prompts = load_prompts(prompt_args, training_args.prompt_column)
@@ -118,19 +117,10 @@ def main(script_args: SampleArguments, prompt_args: PromptArguments, loop_args, 
         model_path, revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code
     )
     state = PartialState()
-    with generation_engine(model, tokenizer, loop_args, training_args) as engine:
-        samples = sample_completions(
-            model,
-            prompts,
-            reward_funcs,
-            processing_class=tokenizer,
-            reward_weights=loop_args.reward_weights,
-            sampling=loop_args.sampling(seed=training_args.seed),
-            args=training_args,
-            engine=engine,
-            behavior_logps_source=loop_args.behavior_logps_source,
-            progress=state.is_main_process,
-        )
+    with Sampler.from_config(
+        model, tokenizer, loop_args, training_args, reward_funcs, progress=state.is_main_process
+    ) as sampler:
+        samples = sampler.sample(prompts, loop_args.sampling(seed=training_args.seed))
     if state.is_main_process:
         save_dataset(samples, script_args.output_path)
         rewards = samples["reward"]
