@@ -7,6 +7,7 @@ from .quiet import silence_unactionable_notices
 
 silence_unactionable_notices()  # before PEFT imports bitsandbytes and accelerate imports DeepSpeed
 
+from .async_grpo import SamplerRolloutWorker, TOPRAsyncGRPOConfig, TOPRAsyncGRPOTrainer
 from .baseline import baseline_for_positive_fraction, effective_positive_fraction
 from .config import TOPRArguments, TOPRConfig
 from .curation import anna_karenina, baseline_for_target, composition_report, rebalance
@@ -41,8 +42,11 @@ __all__ = [
     "LoopCallback",
     "Rollout",
     "Sampler",
+    "SamplerRolloutWorker",
     "SamplingSettings",
     "TOPRArguments",
+    "TOPRAsyncGRPOConfig",
+    "TOPRAsyncGRPOTrainer",
     "TOPRConfig",
     "TOPRDataError",
     "TOPRGRPOConfig",

@@ -268,6 +268,60 @@ def effective_sample_size(log_ratio: torch.Tensor) -> float:
     return (2 * torch.logsumexp(values, 0) - torch.logsumexp(2 * values, 0)).exp().item() / values.numel()
 
 
+def ratio_metrics_by(
+    groups: torch.Tensor, log_ratio: torch.Tensor, advantages: torch.Tensor, prefix: str, **weight_options
+) -> dict[str, float]:
+    """
+    The importance weights of sequences, per group (a sample's age in rounds in the loop, its staleness in policy
+    versions in the asynchronous trainer): for each group value k, `<prefix>_<k>/...` with the group's rows, mean and
+    smallest log-ratio log pi - log mu, mean raw ratio pi/mu (before truncation), fraction of negatives whose weight is
+    tapered (below 0.99), fraction of rows whose ratio the window clamps ([`clamped_ratios`]), effective sample size
+    of the raw ratios ([`effective_sample_size`]), mean weight of its positives and of its negatives ([`topr_weights`])
+    and share of the total weight x |R - c|; and `effective_sample_size` and `clamped_fraction` of all the rows.
+
+    Args:
+        groups (`torch.Tensor` of shape `(N,)`):
+            Each sequence's group, integers.
+        log_ratio (`torch.Tensor` of shape `(N,)`):
+            Each sequence's log pi - log mu.
+        advantages (`torch.Tensor` of shape `(N,)`):
+            Each sequence's `R - c`.
+        prefix (`str`):
+            The name of the groups in the metrics' names (`"age"`, `"staleness"`).
+        **weight_options:
+            The loss's windows ([`topr_weights`]: `loss_type`, the ratio bounds, `epsilon`).
+
+    Returns:
+        `dict[str, float]`: the metrics (`nan` for a mean over no sequence).
+    """
+    log_ratio, advantages = log_ratio.detach().double(), advantages.detach().double()
+    weights = topr_weights(log_ratio, advantages, **weight_options)
+    clamped = clamped_ratios(log_ratio, advantages, **weight_options).double()
+    mass = weights * advantages.abs()
+
+    def mean(values: torch.Tensor) -> float:
+        return values.mean().item() if values.numel() else math.nan
+
+    metrics = {"effective_sample_size": effective_sample_size(log_ratio), "clamped_fraction": mean(clamped)}
+    for group in sorted(set(groups.tolist())):
+        at = groups == group
+        negatives, positives = at & (advantages < 0), at & (advantages >= 0)
+        name = f"{prefix}_{group}"
+        metrics |= {
+            f"{name}/rows": int(at.sum()),
+            f"{name}/log_ratio_mean": log_ratio[at].mean().item(),
+            f"{name}/log_ratio_min": log_ratio[at].min().item(),
+            f"{name}/ratio_mean": log_ratio[at].clamp(max=50).exp().mean().item(),
+            f"{name}/negative_tapered_fraction": mean((weights[negatives] < TAPERED_BELOW).double()),
+            f"{name}/clamped_fraction": clamped[at].mean().item(),
+            f"{name}/effective_sample_size": effective_sample_size(log_ratio[at]),
+            f"{name}/positive_weight_mean": mean(weights[positives]),
+            f"{name}/negative_weight_mean": mean(weights[negatives]),
+            f"{name}/weight_share": (mass[at].sum() / mass.sum()).item() if mass.sum() > 0 else math.nan,
+        }
+    return metrics
+
+
 def topr_loss(
     per_token_logps: torch.Tensor,
     completion_mask: torch.Tensor,

@@ -11,7 +11,7 @@ from datasets import Dataset
 
 from .data import BEHAVIOR_LOGPS, COMPLETION_IDS, PROMPT_IDS, REWARD, TOOL_MASK, TOPRDataError
 from .logprobs import behavior_logps, completion_row, logps_settings
-from .loss import TAPERED_BELOW, clamped_ratios, effective_sample_size, topr_weights
+from .loss import ratio_metrics_by
 
 
 TRAIN_ROWS_FILE = "train.jsonl"
@@ -159,7 +159,8 @@ def metrics_by_age(
     Returns:
         `dict[str, float]`: `age_<k>/rows`, `age_<k>/log_ratio_mean`, `age_<k>/log_ratio_min`, `age_<k>/ratio_mean`,
         `age_<k>/negative_tapered_fraction` (`nan` without negatives), `age_<k>/clamped_fraction`,
-        `age_<k>/effective_sample_size` and `age_<k>/weight_share`; `effective_sample_size` and `clamped_fraction`.
+        `age_<k>/effective_sample_size`, `age_<k>/positive_weight_mean`, `age_<k>/negative_weight_mean` and
+        `age_<k>/weight_share`; `effective_sample_size` and `clamped_fraction` ([`~trl_topr.loss.ratio_metrics_by`]).
     """
     # The rows sampled this round were sampled by this very policy (pi = mu): only the replayed ones need a forward
     masks = rows[TOOL_MASK] if TOOL_MASK in rows.column_names else [None] * len(rows)
@@ -172,30 +173,5 @@ def metrics_by_age(
     for i, values in zip(replayed, pi, strict=True):
         log_ratio[i] = math.fsum(values) - math.fsum(mu[i][: len(values)])
     advantages = torch.tensor(rows[REWARD], dtype=torch.float64) - baseline
-    windows = args.weight_options()
-    weights = topr_weights(log_ratio, advantages, **windows)
-    clamped = clamped_ratios(log_ratio, advantages, **windows).double()
-    mass = weights * advantages.abs()
     ages = torch.tensor([round_index - r for r in rows[SAMPLE_ROUND]])
-    metrics = {
-        "effective_sample_size": effective_sample_size(log_ratio),
-        "clamped_fraction": clamped.mean().item(),
-    }
-    for age in sorted(set(ages.tolist())):
-        at = ages == age
-        negatives = at & (advantages < 0)
-        metrics.update(
-            {
-                f"age_{age}/rows": int(at.sum()),
-                f"age_{age}/log_ratio_mean": log_ratio[at].mean().item(),
-                f"age_{age}/log_ratio_min": log_ratio[at].min().item(),
-                f"age_{age}/ratio_mean": log_ratio[at].clamp(max=50).exp().mean().item(),
-                f"age_{age}/negative_tapered_fraction": (weights[negatives] < TAPERED_BELOW).double().mean().item()
-                if negatives.any()
-                else math.nan,
-                f"age_{age}/clamped_fraction": clamped[at].mean().item(),
-                f"age_{age}/effective_sample_size": effective_sample_size(log_ratio[at]),
-                f"age_{age}/weight_share": (mass[at].sum() / mass.sum()).item() if mass.sum() > 0 else math.nan,
-            }
-        )
-    return metrics
+    return ratio_metrics_by(ages, log_ratio, advantages, "age", **args.weight_options())

@@ -435,7 +435,7 @@ class Sampler:
             behavior_logps_source,
             max_tool_calling_iterations,
         )
-        self.max_length = args.max_length if args is not None else DEFAULT_MAX_LENGTH
+        self.max_length = getattr(args, "max_length", DEFAULT_MAX_LENGTH)  # where the configuration has one
         self.progress = progress
         self.tools = list(tools) if tools else None
         self.environments = as_environments(environment_factory, tools)

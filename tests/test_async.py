@@ -1,0 +1,264 @@
+"""TOPRAsyncGRPOTrainer: TOPR as the loss of TRL's asynchronous GRPO trainer, on a tiny Llama, on CPU and offline."""
+
+import math
+import queue
+import sys
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM
+
+from trl_topr import TOPRArguments, topr_loss
+from trl_topr.async_grpo import (
+    UNBOUNDED_STALENESS,
+    AsyncGRPOConfig,
+    AsyncGRPOTrainer,
+    RolloutSample,
+    SamplerRolloutWorker,
+    TOPRAsyncGRPOConfig,
+    TOPRAsyncGRPOTrainer,
+)
+
+
+def async_args(output_dir, **kwargs) -> TOPRAsyncGRPOConfig:
+    defaults = dict(
+        output_dir=str(output_dir),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        num_generations=2,
+        per_device_train_batch_size=4,
+        max_completion_length=6,
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        gradient_checkpointing=False,
+        learning_rate=1e-2,
+        token_budget=0,
+        seed=0,
+    )
+    defaults.update(kwargs)
+    return TOPRAsyncGRPOConfig(**defaults)
+
+
+def has_a(completions, **kwargs):
+    """+1 for a completion with the letter a, -1 otherwise."""
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [1.0 if "a" in text else -1.0 for text in texts]
+
+
+def prompts(n: int = 16) -> Dataset:
+    return Dataset.from_dict({"prompt": [f"say {i} then" for i in range(n)]})
+
+
+class Samples:
+    """A rollout buffer: the samples given, in order, then fresh ones without end (TRL's loader reads ahead)."""
+
+    def __init__(self, samples):
+        self.samples, self.more = list(samples), 0
+
+    def get(self, block=True, timeout=None):
+        if self.samples:
+            return self.samples.pop(0)
+        self.more += 1
+        return made_samples(seed=100 + self.more)[self.more % 4]
+
+    def qsize(self):
+        return len(self.samples)
+
+
+class ListWorker:
+    """A custom worker (TRL's protocol): the samples it is given, in order, each `advantage` as the user set it."""
+
+    def __init__(self, samples):
+        self.rollout_buffer, self.metrics_queue = Samples(samples), queue.Queue()
+
+    def start(self):
+        pass
+
+    def stop(self):
+        pass
+
+    def check_health(self, stale_after_s):
+        pass
+
+    def update_model_version(self, model_version):
+        self.version = model_version
+
+
+class NoTransfer:
+    def init_weight_transfer(self):
+        pass
+
+    def pause(self):
+        pass
+
+    def send_weights(self, iterator):
+        for _ in iterator:
+            pass
+
+    def resume(self):
+        pass
+
+    def destroy(self):
+        pass
+
+
+def made_samples(seed: int = 0, version: int = 1) -> list:
+    """Two prompts, two completions each (they share their prompt: the trie packs it once), of uneven lengths, with
+    behavior log-probs off the policy's by a few tenths per token and advantages of both signs."""
+    rng = np.random.default_rng(seed)
+    samples = []
+    for group, prompt in enumerate(([5, 9, 13, 17, 21], [6, 10, 14])):
+        for length, advantage in ((4, 1.0), (6, -1.5)):
+            completion = rng.integers(20, 120, length).tolist()
+            ids = np.asarray(prompt + completion, dtype=np.int64)
+            mask = np.asarray([0] * len(prompt) + [1] * length, dtype=np.int64)
+            old = np.where(mask == 1, rng.normal(-5.0, 0.4, len(ids)), 0.0).astype(np.float32)
+            samples.append(
+                RolloutSample([], [], ids, mask, old, advantage + group * 0.5, version, group, {"reward": advantage})
+            )
+    return samples
+
+
+def plain_logps(path: str, samples: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sample's completion log-probs from a padded forward of the model with its usual attention: (B, T), mask."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    width = max(int(s.completion_mask.sum()) for s in samples)
+    logps, mask = torch.zeros(len(samples), width), torch.zeros(len(samples), width, dtype=torch.bool)
+    with torch.no_grad():
+        for i, sample in enumerate(samples):
+            ids = torch.tensor(sample.input_ids)[None]
+            scores = model(ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+            completion = scores[len(ids[0]) - 1 - int(sample.completion_mask.sum()) :]
+            logps[i, : len(completion)], mask[i, : len(completion)] = completion, True
+    return logps, mask
+
+
+def test_the_loss_of_a_packed_batch_is_topr_loss_on_its_sequences(tiny_model_path, tmp_path):
+    # A custom worker's samples, packed by TRL into one trie: the trainer's loss is `topr_loss` with the ratio at the
+    # sequence level on the same sequences, computed from a plain padded forward; its tree attention gives their
+    # log-probs; and a loss computed per token (TRL's way) would differ
+    samples = made_samples()
+    trainer = TOPRAsyncGRPOTrainer(
+        tiny_model_path,
+        args=async_args(tmp_path),
+        train_dataset=prompts(),
+        rollout_worker=ListWorker(samples),
+        weight_transfer=NoTransfer(),
+    )
+    trainer.current_gradient_accumulation_steps = 1
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert int(batch["input_ids"].shape[1]) < sum(len(s.input_ids) for s in samples)  # the shared prompts: packed
+    loss = trainer.compute_loss(trainer.model, batch)
+
+    logps, mask = plain_logps(tiny_model_path, samples)
+    selected = batch["token_index"] >= 0
+    packed, _ = trainer._forward(trainer.model, batch, batch["token_index"][selected])
+    assert torch.allclose(packed.detach(), logps[mask], atol=1e-5)  # tree attention without FlashAttention-3
+    behavior = torch.zeros_like(logps)
+    for i, sample in enumerate(samples):
+        old = torch.tensor(sample.old_log_probs)[torch.tensor(sample.completion_mask) == 1]
+        behavior[i, : len(old)] = old
+    advantages = torch.tensor([s.advantage for s in samples])
+    options = trainer.args.loss_options()
+    expected, _ = topr_loss(logps, mask, advantages, behavior, **options)
+    assert abs(loss.item() - expected.item()) < 1e-5
+    per_token, _ = topr_loss(logps, mask, advantages, behavior, **(options | {"ratio_level": "token"}))
+    assert abs(per_token.item() - expected.item()) > 1e-3  # the test tells the two apart
+    weights = trainer._metrics["train"]["negative_weight_mean"]
+    assert weights and 0 < weights[0][0] / weights[0][1] < 1  # the negatives are tapered: pi/mu < 1 for them
+
+
+def test_stale_samples_are_kept_by_default_and_a_bound_drops_them(tiny_model_path, tmp_path):
+    # Samples drawn 10 versions back: TOPR keeps them (and logs their weights by staleness); with TRL's bound they go
+    stale = made_samples(version=-9) + made_samples(seed=1, version=-9)
+    kept = TOPRAsyncGRPOTrainer(
+        tiny_model_path,
+        args=async_args(tmp_path / "kept", max_steps=1),
+        train_dataset=prompts(),
+        rollout_worker=ListWorker([*stale, *made_samples(seed=2)]),
+        weight_transfer=NoTransfer(),
+    )
+    assert kept.args.max_staleness == UNBOUNDED_STALENESS
+    kept.train()
+    (entry,) = [e for e in kept.state.log_history if "loss" in e]
+    print(sorted(k for k in entry if "stale" in k))
+    assert "sample/dropped_stale_total" not in entry and entry["staleness_10/rows"] == 4
+    assert 0 < entry["staleness_10/effective_sample_size"] <= 1
+    assert {"staleness_10/clamped_fraction", "staleness_10/positive_weight_mean"} <= set(entry)
+
+    bounded = TOPRAsyncGRPOTrainer(
+        tiny_model_path,
+        args=async_args(tmp_path / "bounded", max_steps=1, max_staleness=4),
+        train_dataset=prompts(),
+        rollout_worker=ListWorker([*stale, *made_samples(seed=2)]),
+        weight_transfer=NoTransfer(),
+    )
+    bounded.train()
+    (entry,) = [e for e in bounded.state.log_history if "loss" in e]
+    assert entry["sample/dropped_stale_total"] == 8 and "staleness_10/rows" not in entry
+
+
+def test_in_process_rollouts_draw_from_the_policy_lag_versions_back(tiny_model_path, tmp_path):
+    # The worker over a Sampler: the samples of step s come from the policy of version s - lag (TRL's pipeline batches
+    # one step ahead, so they are trained one version later still); rewards centred with TOPR's target
+    args = async_args(
+        tmp_path,
+        max_steps=5,
+        in_process_rollouts=True,
+        rollout_lag=2,
+        target_positive_fraction=0.5,
+        learning_rate=1e-2,
+    )
+    trainer = TOPRAsyncGRPOTrainer(tiny_model_path, has_a, args, prompts())
+    worker = trainer.rollout_worker
+    assert isinstance(worker, SamplerRolloutWorker) and worker.weight_transfer is trainer.weight_transfer
+    trainer.train()
+    versions = [e["rollout/version"] for e in trainer.state.log_history if "rollout/version" in e]
+    assert versions[:2] == [1.0, 1.0] and versions[-1] == 3.0  # the earliest version, then 2 behind
+    staleness = {int(k.split("_")[1].split("/")[0]) for e in trainer.state.log_history for k in e if "/rows" in k}
+    assert max(staleness) == 3 and len(worker.snapshots) <= 3
+    assert worker.next_prompt == (5 + 1) * 4 // 2  # two prompts a rollout, none twice, one batch read ahead
+
+
+def test_the_worker_centres_rewards_with_topr_baselines():
+    worker = object.__new__(SamplerRolloutWorker)
+    worker.baseline, worker.target_positive_fraction, worker.group_baseline = None, None, False
+    rewards = [1.0, -1.0, -1.0, -1.0]
+    assert worker.advantages(rewards, 2) == rewards  # baseline 0
+    worker.baseline = 0.5
+    assert worker.advantages(rewards, 2) == [0.5, -1.5, -1.5, -1.5]
+    worker.baseline, worker.target_positive_fraction = None, 0.5
+    centred = worker.advantages(rewards, 2)
+    assert math.isclose(sum(a for a in centred if a >= 0), -sum(a for a in centred if a < 0))  # half the weight
+    worker.target_positive_fraction, worker.group_baseline = None, True
+    assert worker.advantages(rewards, 2) == [1.0, -1.0, 0.0, 0.0]
+
+
+def test_the_configuration_takes_topr_options_once_and_checks_them(tmp_path):
+    args = async_args(tmp_path, loss_type="tis", max_staleness=3)
+    assert isinstance(args, TOPRArguments) and isinstance(args, AsyncGRPOConfig)
+    assert args.loss_options()["loss_type"] == "tis" and args.max_staleness == 3
+    assert async_args(tmp_path).max_inflight_tasks == 4 * 4  # TRL's default staleness sizes the generations in flight
+    with pytest.raises(ValueError, match="baseline"):
+        async_args(tmp_path, baseline=0.5, target_positive_fraction=0.5)
+    with pytest.raises(ValueError, match="rollout_lag"):
+        async_args(tmp_path, rollout_lag=-1)
+    with pytest.raises(TypeError, match="TOPRAsyncGRPOConfig"):
+        TOPRAsyncGRPOTrainer("model", args=AsyncGRPOConfig(str(tmp_path), use_cpu=True))
+
+
+def test_construction_leaves_trls_peak_flops_probe_as_it_was(tiny_model_path, tmp_path):
+    module = sys.modules[AsyncGRPOTrainer.__module__]
+    probe = module.get_peak_flops_per_device
+    trainer = TOPRAsyncGRPOTrainer(
+        tiny_model_path,
+        args=async_args(tmp_path),
+        train_dataset=prompts(),
+        rollout_worker=ListWorker([]),
+        weight_transfer=NoTransfer(),
+    )
+    assert module.get_peak_flops_per_device is probe and trainer._peak_flops_per_device is None
