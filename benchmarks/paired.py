@@ -3,6 +3,8 @@ prompts, so their difference is taken seed by seed and prompt by prompt, and its
 over the seeds and the test prompts together. A reading says "above" or "below" only where the interval excludes 0,
 and "tied" where it does not."""
 
+import math
+import statistics
 from dataclasses import dataclass
 
 
@@ -28,6 +30,24 @@ class Difference:
     high: float
     by_seed: list[float]
 
+    def seed_interval(self) -> tuple[float, float]:
+        """The 95% t interval of the mean over the seeds of each seed's difference (the prompts fixed): the
+        seed-level reading, which a few seeds leave wide; (nan, nan) with fewer than two seeds."""
+        return seed_interval(self.by_seed)
+
+    @property
+    def reading_both(self) -> str:
+        """ "above" or "below" where both the bootstrap interval and the seed-level one exclude 0, else "tied"."""
+        low, high = self.seed_interval()
+        if self.low > 0 and low > 0:
+            return "above"
+        return "below" if self.high < 0 and high < 0 else "tied"
+
+    def text_both(self) -> str:
+        """ "+0.012 [+0.004, +0.021] (seeds [+0.001, +0.023])"."""
+        low, high = self.seed_interval()
+        return f"{self.text()} (seeds [{low:+.3f}, {high:+.3f}])"
+
     @property
     def reading(self) -> str:
         """ "above" or "below" where the interval excludes 0, else "tied"."""
@@ -36,6 +56,32 @@ class Difference:
     def text(self) -> str:
         """ "+0.012 [+0.004, +0.021]"."""
         return f"{self.estimate:+.3f} [{self.low:+.3f}, {self.high:+.3f}]"
+
+
+def t_quantile(q: float, df: int) -> float:
+    """The `q` quantile (q >= 0.5) of Student's t distribution with `df` degrees of freedom: bisection on its CDF, the
+    density integrated by Simpson's rule (no statistics library needed)."""
+    scale = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+
+    def cdf(x: float, steps: int = 2000) -> float:  # for x >= 0
+        h = x / steps
+        inner = sum((4 if i % 2 else 2) * (1 + (i * h) ** 2 / df) ** (-(df + 1) / 2) for i in range(1, steps))
+        return 0.5 + scale * h / 3 * (1 + (1 + x * x / df) ** (-(df + 1) / 2) + inner)
+
+    low, high = 0.0, 1000.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if cdf(middle) < q else (low, middle)
+    return (low + high) / 2
+
+
+def seed_interval(values: list[float]) -> tuple[float, float]:
+    """The 95% t interval of the mean of `values` (one per seed); (nan, nan) for fewer than two."""
+    if len(values) < 2:
+        return math.nan, math.nan
+    half = t_quantile(0.5 + CONFIDENCE / 2, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    mean = statistics.fmean(values)
+    return mean - half, mean + half
 
 
 def prompt_scores(run: list[dict], rounds: list[int], k: int) -> list[float]:

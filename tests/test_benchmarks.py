@@ -595,3 +595,39 @@ def test_iterative_bracket_ends_with_an_interior_best_and_references_take_its_ra
     assert (arm["runs"], arm["done"], arm["hours"]) == (9, 9, 0)
     (arm,) = search.estimate(setting, ["positives_only"], edge)
     assert (arm["runs"], arm["done"]) == (9, 6) and arm["hours"] == 3 * 60 / 3600
+
+
+def test_staleness_benchmark_gives_every_arm_the_same_budget_and_counts_what_it_drops(capsys, tmp_path):
+    # The quick protocol end to end: every arm at lags 0 and 2 on two seeds, each sampling the same budget and
+    # evaluated at the same marks; the rates chosen on a seed the readings do not take; TRL's arm keeps its samples at
+    # these lags (nothing is old enough), so its runs serve `trl+keep` there
+    staleness = load("staleness")
+    out = tmp_path / "out"
+    staleness.main(["--quick", "--work", str(tmp_path / "work"), "--out", str(out)])
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["arms"]) == {f"{arm}@{lag}" for arm in staleness.ARMS for lag in (0, 2)}
+    quick = staleness.QUICK
+    for arm in results["arms"].values():
+        assert len(arm["runs"]) == quick["seeds"]
+        for run in arm["runs"]:
+            assert [c["samples"] for c in run] == list(range(0, quick["budget"] + 1, quick["every"]))
+            assert len(run[-1]["test/correct"]) == quick["test"] and run[-1]["dropped"] == 0
+    assert results["arms"]["trl+keep@0"]["runs"] == results["arms"]["trl@0"]["runs"]
+    sweep = {json.loads(line)["seed"] for path in (out / "runs").glob("*lag0.jsonl") for line in path.open()}
+    assert set(quick["sweep_seeds"]) <= sweep and set(quick["sweep_seeds"]).isdisjoint(range(quick["seeds"]))
+    readings = (out / "readings.md").read_text()
+    assert "| 0 | trl |" in readings and "(seeds [" in readings
+    check_provenance(
+        out, "python benchmarks/staleness.py --quick --work " + str(tmp_path / "work") + " --out " + str(out)
+    )
+
+
+def test_the_seed_level_interval_is_students_t():
+    paired = load("paired")
+    assert round(paired.t_quantile(0.975, 4), 3) == 2.776 and round(paired.t_quantile(0.975, 30), 3) == 2.042
+    low, high = paired.seed_interval([0.1, 0.2, 0.3])
+    assert round(low, 4) == round(0.2 - 4.303 * 0.1 / 3**0.5, 4) and round(high, 4) == round(
+        0.2 + 4.303 * 0.1 / 3**0.5, 4
+    )
+    difference = paired.Difference(0.02, 0.01, 0.03, [0.05, -0.01])  # the bootstrap excludes 0, the seeds do not
+    assert difference.reading == "above" and difference.reading_both == "tied"
