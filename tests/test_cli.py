@@ -76,6 +76,18 @@ HELP = {
         "--output_path",
     ],
     "grpo": ["--reward_funcs", "--loss_type", "--target_positive_fraction", "--group_baseline", "--num_generations"],
+    "async-grpo": [
+        "--reward_funcs",
+        "--loss_type",
+        "--target_positive_fraction",
+        "--max_staleness",
+        "--in_process_rollouts",
+        "--rollout_lag",
+        "--vllm_server_base_url",
+        "--dtype",
+        "--use_peft",
+        "--datasets",
+    ],
     "eval": [
         "--correct_func",
         "--answer_func",
@@ -439,4 +451,19 @@ def test_a_trl_grpo_yaml_runs_unchanged_apart_from_the_trainer(tiny_model_path, 
         "short",
     ]
     assert trainer.state.global_step == 1
+    assert "TOPR" in (tmp_path / "out" / "README.md").read_text() and (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_async_grpo_runs_the_cpu_configuration_on_the_embedded_task(tiny_model_path, tmp_path):
+    # recipes/configs/async_grpo_cpu.yaml as it is, but the model and the length: no dataset named, so the embedded
+    # arithmetic task, scored by gsm8k_reward; rollouts in the process, 2 versions back; every sample kept
+    from trl_topr.scripts import async_grpo
+
+    config = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "async_grpo_cpu.yaml"
+    overrides = ["--model_name_or_path", tiny_model_path, "--output_dir", str(tmp_path / "out"), "--max_steps", "4"]
+    args = async_grpo.make_parser().parse_args_and_config(["--config", str(config), *overrides])
+    trainer = async_grpo.main(*args)
+    assert trainer.state.global_step == 4 and list(trainer.rollout_worker.sampler.reward_funcs) == ["gsm8k_reward"]
+    staleness = {k.split("/")[0] for entry in trainer.state.log_history for k in entry if k.endswith("/rows")}
+    assert "staleness_3" in staleness  # 2 versions back, trained one version later
     assert "TOPR" in (tmp_path / "out" / "README.md").read_text() and (tmp_path / "out" / "model.safetensors").exists()

@@ -36,6 +36,7 @@ from .data import BEHAVIOR_LOGPS, COMPLETION_IDS, PROMPT_IDS, REWARD, TOOL_MASK
 from .generation import SamplingSettings
 from .loss import METRIC_SUPPORT, ratio_metrics_by, topr_loss
 from .sampling import RewardFuncs, Sampler
+from .trainer import TOPRTrainer, save_model_card
 
 
 try:  # TRL 1.18 and later: stable
@@ -241,12 +242,13 @@ class TOPRAsyncGRPOTrainer(AsyncGRPOTrainer):
             A worker of your own; by default TRL's, or a [`SamplerRolloutWorker`] with `args.in_process_rollouts`.
         weight_transfer (`WeightTransferProtocol`, *optional*):
             How the worker gets each version's weights; by default TRL's, or the [`SamplerRolloutWorker`]'s.
-        **kwargs:
+        **kwargs (`Any`):
             TRL's other arguments (`callbacks`, `optimizers`, `peft_config`, `tools`, `environment_factory`).
     """
 
     _tag_names = ["trl", "topr", "async-grpo"]
     _name = "TOPR-AsyncGRPO"
+    _paper = TOPRTrainer._paper
 
     def __init__(
         self,
@@ -292,6 +294,18 @@ class TOPRAsyncGRPOTrainer(AsyncGRPOTrainer):
             AttentionInterface.register(TREE_ATTENTION, tree_attention)
         if self.rollout_queue is not None:  # each sample's version, past TRL's dataset, for the logs by staleness
             self.rollout_queue = _Stamped(self.rollout_queue)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """
+        Save the model (or the PEFT adapter) and its tokenizer to `output_dir`, with a model card naming TOPR.
+
+        Args:
+            output_dir (`str`, *optional*):
+                Folder to save to. Defaults to `args.output_dir`.
+        """
+        super().save_model(output_dir, _internal_call)
+        if not _internal_call:  # checkpoints and `push_to_hub` write their own card
+            save_model_card(self, output_dir or self.args.output_dir)
 
     def get_train_dataloader(self):
         # TRL's loader, its batches with each sample's staleness where the loss sees it (the logs by staleness)

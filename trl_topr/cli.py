@@ -7,6 +7,7 @@ trl-topr train  [--model_name_or_path ...] [--dataset_name ...] [TOPRConfig, Mod
 trl-topr sample --dataset_name ... --reward_funcs ... --output_path ... [sampling options] [launch options]
 trl-topr eval   --dataset_name ... [--correct_func ...] [--answer_func ...] [sampling options] [launch options]
 trl-topr grpo   --dataset_name ... --reward_funcs ... [TOPRGRPOConfig, ModelConfig options] [launch options]
+trl-topr async-grpo [--dataset_name ... --reward_funcs ...] [TOPRAsyncGRPOConfig, ModelConfig options] [launch options]
 ```
 
 The arguments the script does not know are `accelerate launch` options (`--num_processes 8`, `--mixed_precision bf16`,
@@ -27,6 +28,7 @@ COMMANDS = {
     "sample": ("trl_topr.scripts.sample", "Sample a TOPR dataset: completions, rewards and behavior log-probs"),
     "eval": ("trl_topr.scripts.eval", "Evaluate a policy: pass@1, maj@k and invalid rate, as JSON"),
     "grpo": ("trl_topr.scripts.grpo", "Online TOPR: TRL's GRPO script with TOPR's loss (as `trl grpo`)"),
+    "async-grpo": ("trl_topr.scripts.async_grpo", "Asynchronous TOPR: TRL's async GRPO trainer with TOPR's loss"),
 }
 
 

@@ -89,6 +89,28 @@ def base_model_name(config) -> str:
     )
 
 
+def save_model_card(trainer, output_dir: str) -> None:
+    """
+    Write a trainer's model card (TRL's `create_model_card`: its tags, name and paper) to `output_dir`, on the main
+    process: what the TOPR trainers' `save_model` adds to TRL's, which writes a card only to `args.output_dir`.
+
+    Args:
+        trainer ([`~transformers.Trainer`]):
+            A TRL trainer.
+        output_dir (`str`):
+            The folder the model was saved to.
+    """
+    if not trainer.is_world_process_zero():
+        return
+    args = trainer.args
+    model_name = args.hub_model_id.split("/")[-1] if args.hub_model_id else Path(output_dir).name
+    card_dir, args.output_dir = args.output_dir, output_dir  # `create_model_card` writes to `args.output_dir`
+    try:
+        trainer.create_model_card(model_name=model_name)
+    finally:
+        args.output_dir = card_dir
+
+
 def record_metrics(accelerator, store: dict[str, list[float]], metrics: dict[str, torch.Tensor]) -> None:
     """
     Append every process's values of a micro-batch's metrics (as returned by [`topr_loss`]) to `store`, for
@@ -535,13 +557,5 @@ class TOPRTrainer(SFTTrainer):
                 Folder to save to. Defaults to `args.output_dir`.
         """
         super().save_model(output_dir, _internal_call)
-        if _internal_call or not self.is_world_process_zero():
-            return  # checkpoints and `push_to_hub` write their own card
-        output_dir = output_dir or self.args.output_dir
-        model_name = self.args.hub_model_id.split("/")[-1] if self.args.hub_model_id else Path(output_dir).name
-        # `create_model_card` writes to `args.output_dir`
-        card_dir, self.args.output_dir = self.args.output_dir, output_dir
-        try:
-            self.create_model_card(model_name=model_name)
-        finally:
-            self.args.output_dir = card_dir
+        if not _internal_call:  # checkpoints and `push_to_hub` write their own card
+            save_model_card(self, output_dir or self.args.output_dir)

@@ -56,6 +56,35 @@ def reward_functions(script_args) -> list:
     return funcs
 
 
+def load_datasets(script_args, dataset_args):
+    """
+    The splits TRL's GRPO script trains on: a mixture of datasets (`datasets:`, which wins, as in TRL) or
+    `dataset_name`.
+
+    Args:
+        script_args (`trl.scripts.grpo.GRPOScriptArguments`):
+            `dataset_name`, `dataset_config`, `dataset_streaming`.
+        dataset_args ([`~trl.DatasetMixtureConfig`]):
+            The mixture.
+
+    Returns:
+        [`~datasets.DatasetDict`]: the splits.
+
+    Raises:
+        `ValueError`: without either.
+    """
+    from datasets import load_dataset
+    from trl import get_dataset
+
+    if dataset_args.datasets:
+        return get_dataset(dataset_args)
+    if script_args.dataset_name:
+        return load_dataset(
+            script_args.dataset_name, name=script_args.dataset_config, streaming=script_args.dataset_streaming
+        )
+    raise ValueError("Either `datasets` or `dataset_name` must be provided.")
+
+
 def main(script_args, training_args, model_args, dataset_args):
     """
     Train with [`~trl_topr.TOPRGRPOTrainer`] as TRL's GRPO script (`trl grpo`) trains with `GRPOTrainer`, from TRL's
@@ -75,8 +104,7 @@ def main(script_args, training_args, model_args, dataset_args):
     Returns:
         [`~trl_topr.TOPRGRPOTrainer`]: the trainer, trained and saved.
     """
-    from datasets import load_dataset
-    from trl import get_dataset, get_peft_config, get_quantization_config
+    from trl import get_peft_config, get_quantization_config
 
     from trl_topr import TOPRGRPOTrainer
     from trl_topr.scripts.utils import model_init_kwargs
@@ -86,14 +114,7 @@ def main(script_args, training_args, model_args, dataset_args):
         **model_init_kwargs(model_args, trust_remote_code=training_args.trust_remote_code),
         **(training_args.model_init_kwargs or {}),
     }
-    if dataset_args.datasets:  # a mixture wins over `dataset_name`, as in TRL's script
-        dataset = get_dataset(dataset_args)
-    elif script_args.dataset_name:
-        dataset = load_dataset(
-            script_args.dataset_name, name=script_args.dataset_config, streaming=script_args.dataset_streaming
-        )
-    else:
-        raise ValueError("Either `datasets` or `dataset_name` must be provided.")
+    dataset = load_datasets(script_args, dataset_args)
     trainer = TOPRGRPOTrainer(
         model=model_args.model_name_or_path,
         reward_funcs=reward_funcs,
