@@ -7,6 +7,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import DEVICES
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
@@ -137,14 +138,15 @@ def plain_logps(path: str, samples: list) -> tuple[torch.Tensor, torch.Tensor]:
     return logps, mask
 
 
-def test_the_loss_of_a_packed_batch_is_topr_loss_on_its_sequences(tiny_model_path, tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_loss_of_a_packed_batch_is_topr_loss_on_its_sequences(tiny_model_path, tmp_path, device):
     # A custom worker's samples, packed by TRL into one trie: the trainer's loss is `topr_loss` with the ratio at the
-    # sequence level on the same sequences, computed from a plain padded forward; its tree attention gives their
-    # log-probs; and a loss computed per token (TRL's way) would differ
+    # sequence level on the same sequences, computed from a plain padded forward; its tree attention (FlashAttention-3
+    # where it loads, else PyTorch's) gives their log-probs; and a loss computed per token (TRL's way) would differ
     samples = made_samples()
     trainer = TOPRAsyncGRPOTrainer(
         tiny_model_path,
-        args=async_args(tmp_path),
+        args=async_args(tmp_path, use_cpu=device == "cpu"),
         train_dataset=prompts(),
         rollout_worker=ListWorker(samples),
         weight_transfer=NoTransfer(),
@@ -154,18 +156,20 @@ def test_the_loss_of_a_packed_batch_is_topr_loss_on_its_sequences(tiny_model_pat
     assert int(batch["input_ids"].shape[1]) < sum(len(s.input_ids) for s in samples)  # the shared prompts: packed
     loss = trainer.compute_loss(trainer.model, batch)
 
-    logps, mask = plain_logps(tiny_model_path, samples)
+    logps, mask = (t.to(trainer.model.device) for t in plain_logps(tiny_model_path, samples))
     selected = batch["token_index"] >= 0
     packed, _ = trainer._forward(trainer.model, batch, batch["token_index"][selected])
-    assert torch.allclose(packed.detach(), logps[mask], atol=1e-5)  # tree attention without FlashAttention-3
+    # PyTorch's tree attention: float32 throughout; FlashAttention-3 computes in bf16
+    tolerance = {"sdpa": 1e-5 if device == "cpu" else 1e-4, "flash_attention_3": 5e-2}[trainer.tree_attention]
+    assert torch.allclose(packed.detach(), logps[mask], atol=tolerance)
     behavior = torch.zeros_like(logps)
     for i, sample in enumerate(samples):
         old = torch.tensor(sample.old_log_probs)[torch.tensor(sample.completion_mask) == 1]
         behavior[i, : len(old)] = old
-    advantages = torch.tensor([s.advantage for s in samples])
+    advantages = torch.tensor([s.advantage for s in samples], device=logps.device)
     options = trainer.args.loss_options()
     expected, _ = topr_loss(logps, mask, advantages, behavior, **options)
-    assert abs(loss.item() - expected.item()) < 1e-5
+    assert abs(loss.item() - expected.item()) < tolerance
     per_token, _ = topr_loss(logps, mask, advantages, behavior, **(options | {"ratio_level": "token"}))
     assert abs(per_token.item() - expected.item()) > 1e-3  # the test tells the two apart
     weights = trainer._metrics["train"]["negative_weight_mean"]

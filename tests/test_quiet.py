@@ -60,3 +60,16 @@ def test_the_filters_drop_only_their_own_message():
     assert passes("DeepSpeed", NOISE[1] + ". If you have GPU or other accelerator, ...") == torch.cuda.is_available()
     assert passes("DeepSpeed", "Setting ds_accelerator to cpu (auto detect)")
     assert all(notice in logging.getLogger(name).filters for name, notice in NOTICES.items())  # installed on import
+
+
+def test_the_package_imports_trls_experimental_async_trainer_only_when_it_is_used():
+    # TRL 1.16's asynchronous trainer is in `trl.experimental`, which warns when imported: `import trl_topr` does not
+    # import it (nor print its warning); the async names do, when first used
+    output = run(
+        "import sys, warnings; warnings.simplefilter('always'); import trl_topr; "
+        "print('before', any(m.startswith('trl.experimental.async_grpo') for m in sys.modules)); "
+        "trl_topr.TOPRAsyncGRPOTrainer; "
+        "print('after', any(m.startswith('trl.experimental.async_grpo') for m in sys.modules))"
+    )
+    assert "before False" in output and "after True" in output
+    assert "trl.experimental" not in output.split("before False")[0]

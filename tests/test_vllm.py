@@ -277,35 +277,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def server(smollm2, tmp_path):
-    # The documented server command (docs/sampling.md), on CPU
-    path, _ = smollm2
-    port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        path,
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "1024",
-        "--kv-cache-memory-bytes",
-        str(1 << 30),
-        "--no-enable-chunked-prefill",
-        "--max-num-batched-tokens",
-        "8192",
-        "--enforce-eager",
-        "--worker-extension-cls",
-        "trl_topr.generation.vllm_engine.TOPRWorkerExtension",
-    ]
-    log = open(tmp_path / "server.log", "w")
+def start_server(command: list[str], port: int, log_path, **env) -> subprocess.Popen:
+    """A vLLM server up and answering `/health`, or the test's failure with its log."""
+    log = open(log_path, "w")
     process = subprocess.Popen(
-        command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+        command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", **env}
     )
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and process.poll() is None:
@@ -316,7 +292,32 @@ def server(smollm2, tmp_path):
             time.sleep(3)
     if process.poll() is not None or time.monotonic() >= deadline:
         process.kill()
-        pytest.fail(f"The vLLM server did not start:\n{(tmp_path / 'server.log').read_text()[-3000:]}")
+        pytest.fail(f"The vLLM server did not start:\n{log_path.read_text()[-3000:]}")
+    return process
+
+
+SERVER_OPTIONS = [
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "1024",
+    "--kv-cache-memory-bytes",
+    str(1 << 30),
+    "--no-enable-chunked-prefill",
+    "--max-num-batched-tokens",
+    "8192",
+    "--enforce-eager",
+]
+
+
+@pytest.fixture
+def server(smollm2, tmp_path):
+    # The documented server command (docs/sampling.md), on CPU
+    path, _ = smollm2
+    port = free_port()
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--port", str(port)]
+    command += [*SERVER_OPTIONS, "--worker-extension-cls", "trl_topr.generation.vllm_engine.TOPRWorkerExtension"]
+    process = start_server(command, port, tmp_path / "server.log")
     yield port
     process.terminate()
     process.wait(60)
@@ -530,3 +531,64 @@ def test_loop_with_tools_samples_and_replays_trajectories_with_vllm(tool_policy,
     for row in samples:
         assert len(row["sampler_logps"]) == len(row["behavior_logps"]) == sum(row["tool_mask"])
         assert abs(sum(row["sampler_logps"]) - sum(row["behavior_logps"])) < MU_TOLERANCE
+
+
+def shortness(completions, **kwargs):
+    """Rewards that differ within a prompt's samples (minus each completion's length): GRPO's advantages not all 0.
+    At module level: TRL's worker sends its reward functions to a process of its own."""
+    return [-float(len(c[-1]["content"])) for c in completions]
+
+
+def test_the_async_trainer_trains_on_trls_worker_with_its_adapter_synced_over_http(smollm2, tmp_path):
+    # TRL's own rollout worker on a vLLM server (vLLM's CPU build serves LoRA), the PEFT adapter published to it over
+    # HTTP after each step: the samples come back with vLLM's log-probs, the loss is TOPR's, the server holds the
+    # adapter of each version; with every sample kept the adapter sync asks for an explicit bound, which TRL needs
+    from peft import LoraConfig
+
+    from trl_topr import TOPRAsyncGRPOConfig, TOPRAsyncGRPOTrainer, with_tool_template
+
+    path, _ = smollm2
+    port = free_port()
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--port", str(port)]
+    command += [*SERVER_OPTIONS, "--enable-lora", "--max-lora-rank", "8", "--max-loras", "4"]
+    command += ["--logprobs-mode", "processed_logprobs"]  # TRL's
+    process = start_server(command, port, tmp_path / "server.log", VLLM_ALLOW_RUNTIME_LORA_UPDATING="1")
+    tokenizer = with_tool_template(AutoTokenizer.from_pretrained(path))  # a ChatML template TRL's worker parses
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    options = dict(
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        vllm_server_base_url=f"http://127.0.0.1:{port}",
+        max_steps=2,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=16,
+        gradient_checkpointing=False,
+        save_strategy="no",
+        logging_steps=1,
+        learning_rate=1e-3,
+    )
+
+    try:
+        with pytest.raises(ValueError, match="max_staleness"):  # every sample kept: as many adapters as versions
+            TOPRAsyncGRPOTrainer(
+                path,
+                shortness,
+                TOPRAsyncGRPOConfig(str(tmp_path / "unbounded"), **options),
+                arithmetic(4),
+                tokenizer,
+                peft_config=lora,
+            )
+        args = TOPRAsyncGRPOConfig(str(tmp_path / "out"), max_staleness=2, **options)
+        trainer = TOPRAsyncGRPOTrainer(path, shortness, args, arithmetic(8), tokenizer, peft_config=lora)
+        assert trainer._lora_sync  # the adapter alone goes to the server, over HTTP
+        trainer.train()
+        steps = [entry for entry in trainer.state.log_history if "loss" in entry]
+        assert len(steps) == 2 and trainer.model_version == 3 and all(e["grad_norm"] > 0 for e in steps)
+        assert all("negative_weight_mean" in e and any(k.startswith("staleness_") for k in e) for e in steps)
+        served = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models"))["data"]
+        assert "trl-policy-v3" in {model["id"] for model in served}
+    finally:
+        process.terminate()
+        process.wait(60)

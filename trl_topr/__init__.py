@@ -7,7 +7,6 @@ from .quiet import silence_unactionable_notices
 
 silence_unactionable_notices()  # before PEFT imports bitsandbytes and accelerate imports DeepSpeed
 
-from .async_grpo import SamplerRolloutWorker, TOPRAsyncGRPOConfig, TOPRAsyncGRPOTrainer
 from .baseline import baseline_for_positive_fraction, effective_positive_fraction
 from .config import TOPRArguments, TOPRConfig
 from .curation import anna_karenina, baseline_for_target, composition_report, rebalance
@@ -33,6 +32,19 @@ from .sampling import Rollout, Sampler, evaluate_policy, generate_completions, s
 from .scripts.utils import show_messages
 from .trainer import TOPRTrainer
 from .verifier import verifier_prompts
+
+
+# Asynchronous training builds on TRL's `trl.experimental` (TRL 1.16), which warns when it is imported: it is imported
+# when one of its names is first used, not with the package.
+_ASYNC = ("SamplerRolloutWorker", "TOPRAsyncGRPOConfig", "TOPRAsyncGRPOTrainer")
+
+
+def __getattr__(name: str):
+    if name in _ASYNC:
+        from . import async_grpo
+
+        return getattr(async_grpo, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # The public API: what a user imports, documented in docs/api.md (with `trl_topr.generation`'s, for engine authors).

@@ -280,18 +280,31 @@ class TOPRAsyncGRPOTrainer(AsyncGRPOTrainer):
         if isinstance(rollout_worker, SamplerRolloutWorker) and weight_transfer is None:
             weight_transfer = rollout_worker.weight_transfer
         with _peak_flops_guarded(args):
-            super().__init__(
-                model,
-                reward_funcs,
-                args,
-                train_dataset,
-                processing_class,
-                rollout_worker=rollout_worker,
-                weight_transfer=weight_transfer,
-                **kwargs,
-            )
+            try:
+                super().__init__(
+                    model,
+                    reward_funcs,
+                    args,
+                    train_dataset,
+                    processing_class,
+                    rollout_worker=rollout_worker,
+                    weight_transfer=weight_transfer,
+                    **kwargs,
+                )
+            except ValueError as error:  # TRL's adapter sync over HTTP sizes the server's adapters by the bound
+                if args.max_staleness == UNBOUNDED_STALENESS and "max_staleness" in str(error):
+                    raise ValueError(
+                        "A PEFT adapter synced to a vLLM server over HTTP: TRL keeps loaded on the server the adapter "
+                        "of every version a sample may still come from (`max_staleness` + 2 of them, at most the "
+                        "server's `--max-loras`), so not every sample can be kept. Set `max_staleness` to at most "
+                        "`--max-loras` - 2 (older samples are then dropped), or restart the server without "
+                        "`--enable-lora` (the merged weights are sent instead)."
+                    ) from error
+                raise
+        self.tree_attention = "flash_attention_3"  # what packs the samples: TRL's kernel, or PyTorch's SDPA
         if not flash_attention_3_loads(self.accelerator.device):  # registered after TRL registers its own
             AttentionInterface.register(TREE_ATTENTION, tree_attention)
+            self.tree_attention = "sdpa"
         if self.rollout_queue is not None:  # each sample's version, past TRL's dataset, for the logs by staleness
             self.rollout_queue = _Stamped(self.rollout_queue)
 
