@@ -3,9 +3,9 @@
     python benchmarks/async_throughput.py            # in vLLM's environment (README's test command builds it)
     python benchmarks/async_throughput.py --quick    # 2 steps each
 
-Both arms sample from a vLLM server (vLLM's CPU build on a CPU) with SmolLM2-135M-Instruct on the embedded arithmetic
-task (one-shot, GSM8K's format), train a LoRA adapter (r 8, q/v) with TOPR, and train as many samples
-(`steps` x 4 prompts x 4 samples):
+Both arms sample from a vLLM server (vLLM's CPU build on a CPU; on a GPU, the server and the trainer share it, in
+bf16) with SmolLM2-135M-Instruct on the embedded arithmetic task (one-shot, GSM8K's format), train a LoRA adapter
+(r 8, q/v) with TOPR, and train as many samples (`steps` x 4 prompts x 4 samples):
 
 - `sync`: the loop (`run_topr_loop`, `vllm_mode="server"`): each round samples its prompts on the server, then trains
   on them while the server waits, merges the adapter and the server reloads the merged weights from the round's
@@ -35,18 +35,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS, SAMPLES = 4, 4  # a step's (a round's) prompts and samples of each
-SERVER = [
-    "--dtype",
-    "float32",
-    "--max-model-len",
-    "1024",
-    "--kv-cache-memory-bytes",
-    str(1 << 30),
-    "--no-enable-chunked-prefill",
-    "--max-num-batched-tokens",
-    "8192",
-    "--enforce-eager",
-]
+CUDA = __import__("torch").cuda.is_available()
+# The server's options: on a GPU, a share of its memory beside the trainer; on a CPU, what the tests run
+SERVER = ["--max-model-len", "1024", "--enforce-eager"]
+SERVER += ["--dtype", "bfloat16", "--gpu-memory-utilization", "0.3"] if CUDA else ["--dtype", "float32"]
+SERVER += [] if CUDA else ["--kv-cache-memory-bytes", str(1 << 30), "--no-enable-chunked-prefill"]
+SERVER += [] if CUDA else ["--max-num-batched-tokens", "8192"]
 
 
 def free_port() -> int:
@@ -110,8 +104,8 @@ def run_sync(model: str, steps: int, work: Path) -> dict:
         )
         train_args = TOPRConfig(
             output_dir=str(work / "sync"),
-            use_cpu=True,
-            bf16=False,
+            use_cpu=not CUDA,
+            bf16=CUDA,  # the server's dtype
             report_to="none",
             learning_rate=1e-4,
             per_device_train_batch_size=PROMPTS * SAMPLES,
@@ -138,8 +132,8 @@ def run_async(model: str, steps: int, work: Path) -> dict:
     try:
         args = TOPRAsyncGRPOConfig(
             output_dir=str(work / "async"),
-            use_cpu=True,
-            bf16=False,
+            use_cpu=not CUDA,
+            bf16=CUDA,  # the server's dtype
             report_to="none",
             learning_rate=1e-4,
             max_steps=steps,

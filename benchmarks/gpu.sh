@@ -7,6 +7,7 @@
 # provenance.json; the benchmarks' own results (results.json, table.md) go to a folder per part.
 #
 #   bash benchmarks/gpu.sh                  # the default parts, in this order: tests padding-free mfu qlora-loop step
+#                                           # async
 #   bash benchmarks/gpu.sh mfu step         # some of them
 #
 #   tests         the GPU-marked tests (`pytest -m gpu`): NF4 QLoRA training, its gradient against the dequantized
@@ -18,6 +19,9 @@
 #   qlora-loop    one round of the loop in NF4 QLoRA with vLLM colocated (recipes/gsm8k.py, the embedded
 #                 SmolLM2-135M-Instruct and task: nothing is downloaded)
 #   step          TOPR against SFT, bf16 mixed precision, L=256 and 1024: step time and peak memory
+#   async         asynchronous TOPR against the loop on one GPU, each with a vLLM server on it (the adapter synced
+#                 over HTTP): samples trained per second (benchmarks/async_throughput.py); where vLLM is installed,
+#                 else recorded as skipped
 # Not in the default run (longer): qlora (cost in NF4 QLoRA), profile (cost's L=1024 cell under torch.profiler),
 # sampling (generate_completions against model.generate).
 #
@@ -75,7 +79,7 @@ run() {  # run NAME LIMIT_S COMMAND...: within LIMIT_S and what is left of the b
 }
 
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tests padding-free mfu qlora-loop step)
+[ ${#parts[@]} -eq 0 ] && parts=(tests padding-free mfu qlora-loop step async)
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python -c "import torch, transformers, trl, peft, datasets; print('torch', torch.__version__, torch.__file__,
 '| transformers', transformers.__version__, '| trl', trl.__version__, '| peft', peft.__version__, '| datasets',
@@ -98,6 +102,12 @@ for part in "${parts[@]}"; do
             --load_in_4bit true --use_peft true --lora_target_modules all-linear --output_dir outputs/gpu-qlora-loop ;;
         step) run step 120 python benchmarks/cost.py "${arch[@]}" --trainers SFT TOPR --lengths 256 1024 \
             --batches 8 --steps 6 --out "$LOGS/step" ;;
+        async) if python -c "import vllm" 2>/dev/null; then
+                run async 300 python benchmarks/async_throughput.py --steps 8 --out "$LOGS/async"
+            else
+                echo "== async: skipped, vLLM is not installed" | tee "$LOGS/async.log"
+                echo async >>"$LOGS/skipped.txt"
+            fi ;;
         qlora) run qlora 420 python benchmarks/cost.py "${arch[@]}" --trainers SFT TOPR --qlora \
             --lengths 256 1024 --batches 8 --steps 10 --out "$LOGS/qlora" ;;
         profile) run profile 420 python benchmarks/cost.py "${arch[@]}" --trainers SFT TOPR \
@@ -109,7 +119,7 @@ for part in "${parts[@]}"; do
             run rehearsal-tests 120 python -m pytest -q -m gpu -rs tests
             run rehearsal-loop 300 python recipes/gsm8k.py "${loop_model[@]}" --load_in_4bit true --use_peft true \
                 --lora_target_modules all-linear --output_dir outputs/gpu-qlora-loop ;;
-        *) echo "unknown part: $part (tests padding-free mfu qlora-loop step qlora profile sampling rehearsal)"
+        *) echo "unknown part: $part (tests padding-free mfu qlora-loop step async qlora profile sampling rehearsal)"
             exit 2 ;;
     esac
 done

@@ -2,6 +2,8 @@
 
 __version__ = "0.1.0"
 
+from typing import TYPE_CHECKING
+
 from .quiet import silence_unactionable_notices
 
 
@@ -36,7 +38,10 @@ from .verifier import verifier_prompts
 
 # Asynchronous training builds on TRL's `trl.experimental` (TRL 1.16), which warns when it is imported: it is imported
 # when one of its names is first used, not with the package.
+# Type checkers and the API docs read them from here.
 _ASYNC = ("SamplerRolloutWorker", "TOPRAsyncGRPOConfig", "TOPRAsyncGRPOTrainer")
+if TYPE_CHECKING:
+    from .async_grpo import SamplerRolloutWorker, TOPRAsyncGRPOConfig, TOPRAsyncGRPOTrainer
 
 
 def __getattr__(name: str):
