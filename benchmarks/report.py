@@ -1353,6 +1353,8 @@ QUOTES: dict[str, tuple] = {
     "gpu-h200.mfu_topr": (column_span, "gpu-h200/mfu", "TOPR MFU", "table.md", 1),
     "gpu-h200.step": (table, "gpu-h200/step"),
     "gpu-h200.qlora_loop": (log_match, "gpu-h200", "qlora-loop.log", r"Done in [^.]*"),
+    "gpu-h200-tests.commit": (commit, "gpu-h200-tests", 0),
+    "gpu-h200-tests.tests": (log_match, "gpu-h200-tests", "tests.log", r"\d+ passed(, \d+ skipped)?"),
     "gpu-h200-padding-free.commit": (commit, "gpu-h200-padding-free", 0),
     "gpu-h200-padding-free.table": (table, "gpu-h200-padding-free/r"),
     "gpu-h200-padding-free.ratio": (column_span, "gpu-h200-padding-free/r", "TOPR-pf/TOPR"),
