@@ -14,8 +14,10 @@ bf16) with SmolLM2-135M-Instruct on the embedded arithmetic task (one-shot, GSM8
   trainer trains, the adapter published to the server over HTTP after each step (`max_staleness=2`).
 
 Each arm starts its own server (the loop's needs trl-topr's worker extension, the adapter sync `--enable-lora`); the
-clock starts when its server answers and stops when its last step is trained, the model's loading included. Writes
-`results.json` and `table.md` to --out (default benchmarks/results/async-throughput).
+clock starts when its server answers and stops when its last step is trained, the model's loading included. Where the
+seconds went: the loop's sampling and training (the rest of its rounds is the adapter merged and saved and the
+server reloading it), the async trainer's waits for samples and its adapter syncs. Writes `results.json` and
+`table.md` to --out (default benchmarks/results/async-throughput).
 """
 
 import argparse
@@ -84,8 +86,37 @@ def lora():
     return LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
 
 
+def phases():
+    """A loop callback adding up the seconds of each round's sampling (from the round's start: the server's weights
+    loaded, its prompts sampled and scored) and training (the trainer's `train`); the rest of a round is the adapter
+    merged and saved and the evaluation's reload."""
+    from transformers import TrainerCallback
+
+    from trl_topr import LoopCallback
+
+    seconds = {"sampling": 0.0, "training": 0.0}
+
+    class Training(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.begun = time.perf_counter()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            seconds["training"] += time.perf_counter() - self.begun
+
+    class Phases(LoopCallback):
+        def on_round_begin(self, round_index):
+            self.begun = time.perf_counter()
+
+        def on_trainer_created(self, round_index, trainer):
+            seconds["sampling"] += time.perf_counter() - self.begun
+            trainer.add_callback(Training())
+
+    return Phases(), seconds
+
+
 def run_sync(model: str, steps: int, work: Path) -> dict:
-    """The loop through a server: rounds of sampling, then training; its seconds and samples trained."""
+    """The loop through a server: rounds of sampling, then training; its seconds and samples trained, and where the
+    seconds went."""
     from trl_topr import TOPRConfig, TOPRLoopConfig, gsm8k_reward, run_topr_loop
 
     server, port = start_server(
@@ -113,9 +144,20 @@ def run_sync(model: str, steps: int, work: Path) -> dict:
             save_strategy="no",
             disable_tqdm=True,
         )
+        callback, seconds = phases()
         started = time.perf_counter()
-        run_topr_loop(model, prompts(PROMPTS * steps), gsm8k_reward, loop_args, train_args, peft_config=lora())
-        return {"seconds": time.perf_counter() - started, "samples": steps * PROMPTS * SAMPLES}
+        run_topr_loop(
+            model,
+            prompts(PROMPTS * steps),
+            gsm8k_reward,
+            loop_args,
+            train_args,
+            peft_config=lora(),
+            callbacks=[callback],
+        )
+        total = time.perf_counter() - started
+        where = {f"{phase}_s": value for phase, value in seconds.items()}
+        return {"seconds": total, "samples": steps * PROMPTS * SAMPLES, **where}
     finally:
         server.terminate()
         server.wait(60)
@@ -154,8 +196,10 @@ def run_async(model: str, steps: int, work: Path) -> dict:
         trainer.train()
         seconds = time.perf_counter() - started
         log = [entry for entry in trainer.state.log_history if "loss" in entry]
-        waited = sum(entry.get("perf/rollout_wait_s", 0.0) for entry in log)
-        return {"seconds": seconds, "samples": trainer.state.global_step * PROMPTS * SAMPLES, "waited": waited}
+        waited = sum(entry.get("perf/rollout_wait_s", 0.0) for entry in log)  # the trainer waiting for samples
+        synced = sum(entry.get("perf/weight_sync_s", 0.0) for entry in log)  # the adapter sent to the server
+        samples = trainer.state.global_step * PROMPTS * SAMPLES
+        return {"seconds": seconds, "samples": samples, "rollout_wait_s": waited, "weight_sync_s": synced}
     finally:
         server.terminate()
         server.wait(60)
@@ -181,12 +225,18 @@ def main(argv=None) -> str:
     for arm in arms.values():
         arm["samples_per_s"] = arm["samples"] / arm["seconds"]
     ratio = arms["async"]["samples_per_s"] / arms["sync"]["samples_per_s"]
-    lines = ["| arm | samples trained | seconds | samples/s | ratio to sync |", "|---|---|---|---|---|"]
+    lines = ["| arm | samples trained | seconds | samples/s | ratio to sync | where the seconds went |"]
+    lines.append("|---|---|---|---|---|---|")
     for name, arm in arms.items():
         ratio_cell = f"{arm['samples_per_s'] / arms['sync']['samples_per_s']:.2f}"
-        lines.append(
-            f"| {name} | {arm['samples']} | {arm['seconds']:.0f} | {arm['samples_per_s']:.3f} | {ratio_cell} |"
-        )
+        parts = {
+            key.removesuffix("_s").replace("_", " "): value
+            for key, value in arm.items()
+            if key.endswith("_s") and key != "samples_per_s"
+        }
+        where = ", ".join(f"{part} {value:.0f} s" for part, value in parts.items())
+        cells = f"{arm['samples']} | {arm['seconds']:.0f} | {arm['samples_per_s']:.3f} | {ratio_cell} | {where}"
+        lines.append(f"| {name} | {cells} |")
     table = "\n".join(lines)
     results = {"arms": arms, "ratio": ratio, "steps": steps, "prompts": PROMPTS, "samples": SAMPLES}
     save(out, {"results.json": results, "table.md": table + "\n"}, script=__file__, argv=argv, started=started)

@@ -24,8 +24,8 @@ its best is interior (`search.bracket`), then held at every lag and on seeds 0-7
 are not chosen on them); `trl+keep` runs at `trl`'s rate. Every finished run (arm, lag,
 rate, seed) is recorded in `runs/<arm>-lag<k>.jsonl` of --out and never trained again. Writes `results.json`,
 `table.md` (test sampled pass@1 at each arm's rate, by lag and completions sampled, with the share of the samples
-each arm dropped) and `readings.md` (TOPR against each arm at each lag, paired by seed and test prompt, with the
-seed-level interval beside).
+each arm dropped) and `readings.md` (TOPR against each arm at each lag; each arm's gain over its start and its area
+against its own at lag 0; paired by seed and test prompt, with the seed-level interval beside).
 """
 
 import argparse
@@ -338,14 +338,48 @@ def curve_table(results: dict, setting: dict) -> str:
     return "\n".join(lines)
 
 
+def arm_runs(results: dict, arm: str, lag: int) -> list[list[dict]]:
+    return results["arms"].get(f"{arm}@{lag}", {"runs": []})["runs"]
+
+
+def learning(results: dict, setting: dict) -> str:
+    """How stale samples can grow before each loss stops learning: each arm's test sampled pass@1 at the last
+    checkpoint minus at the start ("above": it learned), and its area at each lag minus its own at lag 0 ("below":
+    staleness cost it), paired by seed and test prompt, with the seed-level interval; a reading only where both
+    exclude 0."""
+    lines = ["| arm | lag | seeds | last minus start | learned | area minus lag 0's | against lag 0 |"]
+    lines.append("|---|---|---|---|---|---|---|")
+    for arm in ARMS:
+        fresh = arm_runs(results, arm, 0)
+        for lag in setting["lags"]:
+            runs = arm_runs(results, arm, lag)
+            if len(runs) < 2 or (arm, lag) in SAME_AS:
+                continue
+            count = len(runs[0])
+            gain = paired_difference(runs, [[run[0]] * count for run in runs], [count - 1], setting["k"])
+            cells = ["", ""]
+            if lag and len(fresh) >= len(runs):
+                cost = paired_difference(runs, fresh[: len(runs)], list(range(1, count)), setting["k"])
+                cells = [cost.text_both(), cost.reading_both]
+            lines.append(
+                f"| {arm} | {lag} | {len(runs)} | {gain.text_both()} | {gain.reading_both} | "
+                + " | ".join(cells)
+                + " |"
+            )
+    return "\n".join(lines)
+
+
 def readings(results: dict, setting: dict) -> str:
     """TOPR against each other arm at each lag: the paired difference of test sampled pass@1 over the checkpoints
     after the start (area) and at the last, with the seed-level interval; "above" only where both exclude 0."""
-    lines = ["| lag | TOPR minus | seeds | area | reading | last | reading |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| lag | TOPR minus | seeds | area | area reading | last | last reading |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for lag in setting["lags"]:
-        topr = results["arms"].get(f"topr@{lag}", {"runs": []})["runs"]
+        topr = arm_runs(results, "topr", lag)
         for other in ("positives_only", "trl", "trl+keep"):
-            runs = results["arms"].get(f"{other}@{lag}", {"runs": []})["runs"]
+            runs = arm_runs(results, other, lag)
             seeds = min(len(topr), len(runs))
             if seeds < 2:
                 continue
@@ -398,15 +432,16 @@ def main(argv=None) -> str:
         results["arms"]
     ) == len(ARMS) * len(setting["lags"])
     table, read = curve_table(results, setting), readings(results, setting)
+    learned = learning(results, setting)
     files = {
         "results.json": results,
         "table.md": f"{results['title']}\n\n{table}\n",
-        "readings.md": f"{results['title']}\n\n{read}\n",
+        "readings.md": f"{results['title']}\n\n{read}\n\n{learned}\n",
     }
     out.mkdir(parents=True, exist_ok=True)
     save(out, files, script=__file__, argv=argv, started=started, append=True)
     status = "complete" if complete else "not finished: run the same command again to go on"
-    print(f"{results['title']}; {status}\n\n{table}\n\n{read}")
+    print(f"{results['title']}; {status}\n\n{table}\n\n{read}\n\n{learned}")
     return table
 
 
