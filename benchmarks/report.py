@@ -943,6 +943,35 @@ def memory_leak(run: str, folder: str = "memory") -> str:
     return f"{max(per_round) / 2**30:.1f} GiB"
 
 
+def trained_at(folder: str) -> str:
+    """The commit of the calls that trained a ledger's runs (those of its record not `--report_only`; one,
+    abbreviated)."""
+    commits = {entry["commit"][:7] for entry in records(folder) if "--report_only" not in entry["command"]}
+    if len(commits) != 1:
+        raise ValueError(f"{folder}: its runs were trained at {sorted(commits)}, not at one commit")
+    return commits.pop()
+
+
+def cell(folder: str, name: str, index: int, where: dict[str, str], header: str) -> str:
+    """A cell of the `index`-th table of a folder's markdown file `name`, in the one row whose cells match `where`."""
+    table = tables(load(folder, name))[index]
+    (row,) = [r for r in rows(table) if all(r[key] == value for key, value in where.items())]
+    return row[header]
+
+
+def swept_rates(folder: str) -> str:
+    """Each swept arm's learning rates and their score (the mean validation sampled pass@1 over the sweep's seeds and
+    checkpoints), its best in bold: "topr: 3e-05 0.212, 0.0001 0.437, **0.0003 0.686**, 0.001 0.000; ..."."""
+    parts = []
+    for arm, swept in load(folder)["rates"].items():
+        cells = [
+            f"**{rate} {score:.3f}**" if float(rate) == swept["best"] else f"{rate} {score:.3f}"
+            for rate, score in sorted(swept["scores"].items(), key=lambda item: float(item[0]))
+        ]
+        parts.append(f"`{arm}`: " + ", ".join(cells))
+    return "; ".join(parts)
+
+
 def gpu_recipe_table() -> str:
     """Before and after the recipe's GPU round, from its log's 'Round N done' lines."""
     found = re.findall(r"Round (\d+) done: (.*)", load("gpu-h100", "recipe.log"))
@@ -1353,6 +1382,50 @@ QUOTES: dict[str, tuple] = {
     "gpu-h200.mfu_topr": (column_span, "gpu-h200/mfu", "TOPR MFU", "table.md", 1),
     "gpu-h200.step": (table, "gpu-h200/step"),
     "gpu-h200.qlora_loop": (log_match, "gpu-h200", "qlora-loop.log", r"Done in [^.]*"),
+    "staleness.rates": (swept_rates, "staleness"),
+    "staleness.machine": (machine, "staleness"),
+    "staleness.commit": (trained_at, "staleness"),
+    "staleness.table": (table, "staleness"),
+    "staleness.learning": (table, "staleness", "readings.md", 1),
+    "staleness.readings": (table, "staleness", "readings.md", 0),
+    "staleness.topr_gain_0": (cell, "staleness", "readings.md", 1, {"arm": "topr", "lag": "0"}, "last minus start"),
+    "staleness.topr_gain_32": (cell, "staleness", "readings.md", 1, {"arm": "topr", "lag": "32"}, "last minus start"),
+    "staleness.topr_cost_32": (
+        cell,
+        "staleness",
+        "readings.md",
+        1,
+        {"arm": "topr", "lag": "32"},
+        "area minus lag 0's",
+    ),
+    "staleness.trl_dropped_8": (cell, "staleness", "table.md", 0, {"arm": "trl", "lag": "8"}, "dropped"),
+    "staleness.trl_gain_8": (cell, "staleness", "readings.md", 1, {"arm": "trl", "lag": "8"}, "last minus start"),
+    "staleness.keep_gain_8": (
+        cell,
+        "staleness",
+        "readings.md",
+        1,
+        {"arm": "trl+keep", "lag": "8"},
+        "last minus start",
+    ),
+    "staleness.keep_cost_32": (
+        cell,
+        "staleness",
+        "readings.md",
+        1,
+        {"arm": "trl+keep", "lag": "32"},
+        "area minus lag 0's",
+    ),
+    "staleness.vs_trl_32": (cell, "staleness", "readings.md", 0, {"lag": "32", "TOPR minus": "trl"}, "area"),
+    "staleness.vs_trl_0": (cell, "staleness", "readings.md", 0, {"lag": "0", "TOPR minus": "trl"}, "area"),
+    "staleness.vs_positives_2": (
+        cell,
+        "staleness",
+        "readings.md",
+        0,
+        {"lag": "2", "TOPR minus": "positives_only"},
+        "area",
+    ),
     "gpu-h200-tests.commit": (commit, "gpu-h200-tests", 0),
     "gpu-h200-tests.tests": (log_match, "gpu-h200-tests", "tests.log", r"\d+ passed(, \d+ skipped)?"),
     "gpu-h200-padding-free.commit": (commit, "gpu-h200-padding-free", 0),

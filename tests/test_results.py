@@ -555,3 +555,71 @@ def test_the_mmap_threshold_trades_training_time_for_memory():
     default, mapped = result["runs"]["default"], result["runs"]["mmap"]
     assert min(run["seconds"] for run in mapped) > max(run["seconds"] for run in default)
     assert max(run["peak"] for run in mapped) < min(run["peak"] for run in default)
+
+
+# ---------------------------------------------------------------------------------- the staleness benchmark's answer
+# docs/async.md answers "how stale can samples grow before each loss stops learning" in words; these recompute the
+# readings from the committed runs (benchmarks/staleness.py's own functions) and hold each word to both intervals.
+@pytest.fixture(scope="module")
+def staleness_readings():
+    spec = importlib.util.spec_from_file_location("staleness", ROOT / "benchmarks" / "staleness.py")
+    staleness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(staleness)
+    results = json.loads((RESULTS / "staleness" / "results.json").read_text())
+    setting = results["settings"]
+    against, learned = staleness.readings(results, setting), staleness.learning(results, setting)
+    committed = report.tables((RESULTS / "staleness" / "readings.md").read_text())
+    assert [against, learned] == committed  # the committed tables are what the runs give
+    return {
+        "against": {(r["lag"], r["TOPR minus"]): r for r in report.rows(against)},
+        "learned": {(r["arm"], r["lag"]): r for r in report.rows(learned)},
+        "results": results,
+    }
+
+
+def test_staleness_protocol_as_the_docs_describe_it(staleness_readings):
+    # 8 seeds at every arm and lag, the rates chosen on seeds the readings do not take, each best rate interior
+    results = staleness_readings["results"]
+    setting = results["settings"]
+    assert setting["lags"] == [0, 2, 8, 32] and setting["seeds"] == 8
+    assert set(setting["sweep_seeds"]).isdisjoint(range(setting["seeds"]))
+    assert {arm["lag"] for arm in results["arms"].values()} == set(setting["lags"])
+    assert all(len(arm["runs"]) == setting["seeds"] for arm in results["arms"].values())
+    for swept in results["rates"].values():
+        rates = sorted(float(rate) for rate in swept["scores"])
+        assert rates[0] < swept["best"] < rates[-1]
+    start = statistics.fmean(run[0]["test/pass@1"] for run in results["arms"]["topr@0"]["runs"])
+    assert 0.1 <= start <= 0.4
+
+
+def test_staleness_topr_learns_at_every_lag_unharmed(staleness_readings):
+    learned = staleness_readings["learned"]
+    for lag in ("0", "2", "8", "32"):
+        assert learned["topr", lag]["learned"] == "above"
+        assert lag == "0" or learned["topr", lag]["against lag 0"] == "tied"
+
+
+def test_staleness_trl_as_shipped_stops_and_kept_degrades(staleness_readings):
+    learned, against = staleness_readings["learned"], staleness_readings["against"]
+    table = {(r["arm"], r["lag"]): r for r in report.rows(report.tables(report.load("staleness", "table.md"))[0])}
+    for lag in ("8", "32"):
+        assert learned["trl", lag]["learned"] == "below"
+        assert float(table["trl", lag]["dropped"].rstrip("%")) > 90
+        for other in ("trl", "trl+keep"):
+            assert against[lag, other]["area reading"] == "above"
+    assert against["2", "trl"]["area reading"] == "above"
+    assert learned["trl+keep", "8"]["learned"] == "above"
+    assert learned["trl+keep", "32"]["against lag 0"] == "below"
+    assert against["0", "trl"]["area reading"] == "tied"
+    assert "[+" in against["0", "trl"]["area"].split("(seeds")[0]  # the bootstrap excludes 0, the seeds do not
+
+
+def test_staleness_positives_only_is_above_topr_once_stale(staleness_readings):
+    learned, against = staleness_readings["learned"], staleness_readings["against"]
+    assert against["0", "positives_only"]["area reading"] == "tied"
+    for lag in ("2", "8", "32"):
+        assert against[lag, "positives_only"]["area reading"] == "below"
+    for lag in ("2", "8", "32"):
+        assert learned["positives_only", lag]["learned"] == "above"
+    rates = staleness_readings["results"]["rates"]
+    assert rates["topr"]["scores"]["0.001"] < 0.05 and rates["positives_only"]["best"] == 0.001
