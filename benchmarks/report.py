@@ -626,6 +626,12 @@ def iterative_difference(folder: str, first: str, second: str, which: str = "are
     return paired(folder, first, second, which, tuple(lrs) or (None, None)).text()
 
 
+def iterative_difference_both(folder: str, first: str, second: str, which: str = "area") -> str:
+    """One paired difference with its interval and the seed-level one beside: "+0.020 [+0.010, +0.031] (seeds
+    [-0.004, +0.045])"."""
+    return paired(folder, first, second, which).text_both()
+
+
 def iterative_unsolved(folder: str, method: str, lr: float | None = None) -> str:
     """After the last round, seed by seed: the test prompts none of whose k samples was correct, and of those the
     ones whose greedy answer was wrong too: "12 (12 greedy) / 0 (0) / 12 (12) of 128"."""
@@ -1389,6 +1395,19 @@ QUOTES: dict[str, tuple] = {
     "async-throughput.rollout_wait": (result_value, "async-throughput", ("arms", "async", "rollout_wait_s"), duration),
     "async-throughput.sync_sampling": (result_value, "async-throughput", ("arms", "sync", "sampling_s"), duration),
     "async-throughput.sync_training": (result_value, "async-throughput", ("arms", "sync", "training_s"), duration),
+    "iterative-fast.both.paper_grpo.area": (iterative_difference_both, "iterative-fast", "topr", "grpo"),
+    "iterative-real-v2.both.paper_replay_grpo.area": (
+        iterative_difference_both,
+        "iterative-real-v2",
+        "topr+replay",
+        "grpo",
+    ),
+    "iterative-real-v2.both.rft_replay_grpo.area": (
+        iterative_difference_both,
+        "iterative-real-v2",
+        "positives_only+replay",
+        "grpo",
+    ),
     "staleness.rates": (swept_rates, "staleness"),
     "staleness.machine": (machine, "staleness"),
     "staleness.commit": (trained_at, "staleness"),

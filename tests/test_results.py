@@ -397,6 +397,16 @@ def test_against_grpo_reading():
     assert reading("grpo", "positives_only", "last", folder=v2) == "tied"
 
 
+def test_the_papers_setting_against_grpo_turns_on_the_interval():
+    # "What to set" (against online GRPO): the paper's setting, baseline 0, is below GRPO over the tested rounds by
+    # the paired bootstrap at both scales (on-policy at the fast scale, with replay at the second real one) and not
+    # by the seed-level interval; positives-only with replay is tied with GRPO at the second real scale by both
+    for folder, arm in (("iterative-fast", "topr"), ("iterative-real-v2", "topr+replay")):
+        difference = report.paired(folder, arm, "grpo", "area")
+        assert difference.reading == "below" and difference.reading_both == "tied", folder
+    assert report.paired("iterative-real-v2", "positives_only+replay", "grpo", "area").reading_both == "tied"
+
+
 def test_real_v2_reinforce_with_replay_reading():
     # the real scale v2 section, "What to set" (replay) and README: at the target's rate, TOPR with the target 0.8 and
     # replay is above REINFORCE with replay on the area and the last round; REINFORCE with replay collapses on every
