@@ -403,6 +403,11 @@ def iterative_seconds(folder: str) -> list[float]:
     return [entry["seconds"] for entry in ledger(folder).runs.values() if not entry.get("resumed")]
 
 
+def resumed_runs(folder: str) -> str:
+    """How many of a folder's ledger runs were resumed after a stop: "17"."""
+    return str(sum(1 for entry in ledger(folder).runs.values() if entry.get("resumed")))
+
+
 def iterative_time(folder: str, reduce=sum) -> str:
     """The time a results folder's runs trained (`iterative_seconds`): in all, or a run's mean with `reduce=mean`."""
     return duration(reduce(iterative_seconds(folder)))
@@ -1408,6 +1413,7 @@ QUOTES: dict[str, tuple] = {
         "positives_only+replay",
         "grpo",
     ),
+    "iterative-real-v2.resumed": (resumed_runs, "iterative-real-v2"),
     "staleness.rates": (swept_rates, "staleness"),
     "staleness.machine": (machine, "staleness"),
     "staleness.commit": (trained_at, "staleness"),
