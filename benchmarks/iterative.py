@@ -7,6 +7,8 @@ truncated IS (TIS), each round replaying the samples of the rounds before it.
     python benchmarks/iterative.py --scale fast            # tiny Llama, digit reversal (CPU time: docs/benchmarks.md)
     python benchmarks/iterative.py --scale real --plan     # SmolLM2-135M-Instruct, two-digit products: the runs, hours
     python benchmarks/iterative.py --scale fast --quick    # smoke run (tests/test_benchmarks.py)
+    python benchmarks/iterative.py --scale fast --seeds 8 --out benchmarks/results/iterative-fast-8
+                                                           # 8 seeds, from a copy of the fast scale's ledger
 
 Every finished run (method, learning rate, seed) is recorded in `runs/<method>.jsonl` of --out, committed with the
 results, and never trained again: run the command again, here or on another machine, to go on where it stopped
@@ -569,6 +571,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="results (default: benchmarks/results/iterative-<scale>, "
         "outputs/iterative-<scale>-results-quick with --quick)",
     )
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        help="seeds at each arm's best rate, in place of the scale's (with --out, beside its committed results)",
+    )
     parser.add_argument("--time_limit", type=float, help="minutes: stop after the run that crosses it")
     parser.add_argument("--report_only", action="store_true", help="write the finished runs' results, train nothing")
     parser.add_argument(
@@ -605,14 +612,15 @@ def main(argv=None) -> str:
     )
     started = time.time()
     ledger = Ledger(out)
-    setting = dict(SCALES[args.scale], **(QUICK if args.quick else {}))
+    seeds = {"seeds": args.seeds} if args.seeds else {}
+    setting = dict(SCALES[args.scale], **(QUICK if args.quick else {}), **seeds)
     methods = [m for m in ARMS if m in (args.methods or setting["methods"])]
     if args.plan:
         text = plan(setting, methods, ledger)
         print(text)
         return text
     work.mkdir(parents=True, exist_ok=True)
-    setting = setup(args.scale, work, args.quick)
+    setting = dict(setup(args.scale, work, args.quick), **seeds)
     runs = Runs(setting, ledger, work, methods, args)
     results = runs.results()
     unfinished = [m for m in methods if len(results["methods"].get(m, {"runs": []})["runs"]) < setting["seeds"]]

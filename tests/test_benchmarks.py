@@ -631,3 +631,14 @@ def test_the_seed_level_interval_is_students_t():
     )
     difference = paired.Difference(0.02, 0.01, 0.03, [0.05, -0.01])  # the bootstrap excludes 0, the seeds do not
     assert difference.reading == "above" and difference.reading_both == "tied"
+
+
+def test_iterative_seeds_option_plans_more_seeds_beside_the_committed_results(tmp_path, capsys):
+    # `--seeds` adds seeds at each arm's best rate in place of the scale's, into another folder (`--out`): the plan
+    # counts the seeds up to the new last one, and the scale's own setting is left as it is
+    iterative = load("iterative")
+    seeds = iterative.SCALES["fast"]["seeds"]
+    text = iterative.main(["--scale", "fast", "--seeds", str(seeds + 5), "--out", str(tmp_path), "--plan"])
+    assert f"then seeds up to {seeds + 4} at the best" in text
+    assert iterative.SCALES["fast"]["seeds"] == seeds
+    assert f"then seeds up to {seeds - 1} at the best" in iterative.main(["--out", str(tmp_path), "--plan"])
