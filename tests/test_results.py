@@ -651,3 +651,18 @@ def test_memory_growth_of_each_process_in_the_two_process_runs_stays_within_5_pe
                 if second and later:
                     assert max(later) / second[0] - 1 <= 0.05, (path.name, key)
     assert checked >= 6  # DDP, ZeRO-3 and FSDP2, with and without checkpointing
+
+
+def test_the_eight_seeds_start_from_the_same_model_as_the_three():
+    # docs/benchmarks.md (Eight seeds): the fast scale's seeds 3-7 ran elsewhere, from a starting model rebuilt from
+    # its seed; every run of both ledgers answers each test prompt greedily alike at round 0, and the 8-seed ledger
+    # holds the 3-seed one's runs as they are
+    def runs(folder):
+        return report.ledger(folder).runs
+
+    three, eight = runs("iterative-fast"), runs("iterative-fast-8")
+    assert set(three) <= set(eight) and len(eight) > len(three)
+    assert all(eight[key] == three[key] for key in three)
+    answers = {json.dumps(run["rounds"][0]["test/greedy_correct"]) for run in eight.values()}
+    assert len(answers) == 1
+    assert max(key[2] for key in eight) == 7  # seeds 0-7
