@@ -44,6 +44,17 @@ SERVER += ["--dtype", "bfloat16", "--gpu-memory-utilization", "0.3"] if CUDA els
 SERVER += [] if CUDA else ["--kv-cache-memory-bytes", str(1 << 30), "--no-enable-chunked-prefill"]
 SERVER += [] if CUDA else ["--max-num-batched-tokens", "8192"]
 
+# what both arms train with: the server's dtype, a step of a round's samples
+TRAINING = dict(
+    use_cpu=not CUDA,
+    bf16=CUDA,
+    report_to="none",
+    learning_rate=1e-4,
+    per_device_train_batch_size=PROMPTS * SAMPLES,
+    save_strategy="no",
+    disable_tqdm=True,
+)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -135,14 +146,8 @@ def run_sync(model: str, steps: int, work: Path) -> dict:
         )
         train_args = TOPRConfig(
             output_dir=str(work / "sync"),
-            use_cpu=not CUDA,
-            bf16=CUDA,  # the server's dtype
-            report_to="none",
-            learning_rate=1e-4,
-            per_device_train_batch_size=PROMPTS * SAMPLES,
+            **TRAINING,
             activation_checkpointing=False,
-            save_strategy="no",
-            disable_tqdm=True,
         )
         callback, seconds = phases()
         started = time.perf_counter()
@@ -174,19 +179,13 @@ def run_async(model: str, steps: int, work: Path) -> dict:
     try:
         args = TOPRAsyncGRPOConfig(
             output_dir=str(work / "async"),
-            use_cpu=not CUDA,
-            bf16=CUDA,  # the server's dtype
-            report_to="none",
-            learning_rate=1e-4,
             max_steps=steps,
-            per_device_train_batch_size=PROMPTS * SAMPLES,
+            **TRAINING,
             num_generations=SAMPLES,
             max_completion_length=32,
             max_staleness=2,
             vllm_server_base_url=f"http://127.0.0.1:{port}",
             gradient_checkpointing=False,
-            save_strategy="no",
-            disable_tqdm=True,
         )
         started = time.perf_counter()
         tokenizer = with_tool_template(AutoTokenizer.from_pretrained(model))  # a template TRL's worker parses

@@ -1091,6 +1091,8 @@ V2_DIFFERENCES = {
 BEFORE = "iterative-easy-before-replay"  # the real scale as first run: on-policy rounds, the earlier protocol
 ON_POLICY_ARMS = [m for m in ARMS if not ARMS[m].replay]  # the iterative benchmark's arms
 REPLAY_ARMS = [m for m in ARMS if ARMS[m].replay]
+# the staleness benchmark's readings.md: its tables of TOPR against each arm, and of each arm's learning
+AGAINST, LEARNED = ("staleness", "readings.md", 0), ("staleness", "readings.md", 1)
 # name in the docs -> (function, *arguments): the docs quote function(*arguments), mostly (helper, folder, ...)
 QUOTES: dict[str, tuple] = {
     # the embedded default (README's first command)
@@ -1421,46 +1423,18 @@ QUOTES: dict[str, tuple] = {
     "staleness.machine": (machine, "staleness"),
     "staleness.commit": (trained_at, "staleness"),
     "staleness.table": (table, "staleness"),
-    "staleness.learning": (table, "staleness", "readings.md", 1),
-    "staleness.readings": (table, "staleness", "readings.md", 0),
-    "staleness.topr_gain_0": (cell, "staleness", "readings.md", 1, {"arm": "topr", "lag": "0"}, "last minus start"),
-    "staleness.topr_gain_32": (cell, "staleness", "readings.md", 1, {"arm": "topr", "lag": "32"}, "last minus start"),
-    "staleness.topr_cost_32": (
-        cell,
-        "staleness",
-        "readings.md",
-        1,
-        {"arm": "topr", "lag": "32"},
-        "area minus lag 0's",
-    ),
+    "staleness.learning": (table, *LEARNED),
+    "staleness.readings": (table, *AGAINST),
+    "staleness.topr_gain_0": (cell, *LEARNED, {"arm": "topr", "lag": "0"}, "last minus start"),
+    "staleness.topr_gain_32": (cell, *LEARNED, {"arm": "topr", "lag": "32"}, "last minus start"),
+    "staleness.topr_cost_32": (cell, *LEARNED, {"arm": "topr", "lag": "32"}, "area minus lag 0's"),
     "staleness.trl_dropped_8": (cell, "staleness", "table.md", 0, {"arm": "trl", "lag": "8"}, "dropped"),
-    "staleness.trl_gain_8": (cell, "staleness", "readings.md", 1, {"arm": "trl", "lag": "8"}, "last minus start"),
-    "staleness.keep_gain_8": (
-        cell,
-        "staleness",
-        "readings.md",
-        1,
-        {"arm": "trl+keep", "lag": "8"},
-        "last minus start",
-    ),
-    "staleness.keep_cost_32": (
-        cell,
-        "staleness",
-        "readings.md",
-        1,
-        {"arm": "trl+keep", "lag": "32"},
-        "area minus lag 0's",
-    ),
-    "staleness.vs_trl_32": (cell, "staleness", "readings.md", 0, {"lag": "32", "TOPR minus": "trl"}, "area"),
-    "staleness.vs_trl_0": (cell, "staleness", "readings.md", 0, {"lag": "0", "TOPR minus": "trl"}, "area"),
-    "staleness.vs_positives_2": (
-        cell,
-        "staleness",
-        "readings.md",
-        0,
-        {"lag": "2", "TOPR minus": "positives_only"},
-        "area",
-    ),
+    "staleness.trl_gain_8": (cell, *LEARNED, {"arm": "trl", "lag": "8"}, "last minus start"),
+    "staleness.keep_gain_8": (cell, *LEARNED, {"arm": "trl+keep", "lag": "8"}, "last minus start"),
+    "staleness.keep_cost_32": (cell, *LEARNED, {"arm": "trl+keep", "lag": "32"}, "area minus lag 0's"),
+    "staleness.vs_trl_32": (cell, *AGAINST, {"lag": "32", "TOPR minus": "trl"}, "area"),
+    "staleness.vs_trl_0": (cell, *AGAINST, {"lag": "0", "TOPR minus": "trl"}, "area"),
+    "staleness.vs_positives_2": (cell, *AGAINST, {"lag": "2", "TOPR minus": "positives_only"}, "area"),
     "gpu-h200-tests.commit": (commit, "gpu-h200-tests", 0),
     "gpu-h200-tests.tests": (log_match, "gpu-h200-tests", "tests.log", r"\d+ passed(, \d+ skipped)?"),
     "gpu-h200-padding-free.commit": (commit, "gpu-h200-padding-free", 0),

@@ -36,7 +36,7 @@ from .data import BEHAVIOR_LOGPS, COMPLETION_IDS, PROMPT_IDS, REWARD, TOOL_MASK
 from .generation import SamplingSettings
 from .loss import METRIC_SUPPORT, ratio_metrics_by, topr_loss
 from .sampling import RewardFuncs, Sampler
-from .trainer import TOPRTrainer, save_model_card
+from .trainer import CardOnSave, TOPRTrainer
 
 
 try:  # TRL 1.18 and later: stable
@@ -209,7 +209,7 @@ def _peak_flops_guarded(args):
         yield
 
 
-class TOPRAsyncGRPOTrainer(AsyncGRPOTrainer):
+class TOPRAsyncGRPOTrainer(CardOnSave, AsyncGRPOTrainer):
     r"""
     Asynchronous Tapered Off-Policy REINFORCE: TRL's `AsyncGRPOTrainer` with TOPR's loss, from [Tapered Off-Policy
     REINFORCE: Stable and efficient reinforcement learning for LLMs](https://huggingface.co/papers/2503.14286).
@@ -307,18 +307,6 @@ class TOPRAsyncGRPOTrainer(AsyncGRPOTrainer):
             self.tree_attention = "sdpa"
         if self.rollout_queue is not None:  # each sample's version, past TRL's dataset, for the logs by staleness
             self.rollout_queue = _Stamped(self.rollout_queue)
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        """
-        Save the model (or the PEFT adapter) and its tokenizer to `output_dir`, with a model card naming TOPR.
-
-        Args:
-            output_dir (`str`, *optional*):
-                Folder to save to. Defaults to `args.output_dir`.
-        """
-        super().save_model(output_dir, _internal_call)
-        if not _internal_call:  # checkpoints and `push_to_hub` write their own card
-            save_model_card(self, output_dir or self.args.output_dir)
 
     def get_train_dataloader(self):
         # TRL's loader, its batches with each sample's staleness where the loss sees it (the logs by staleness)

@@ -156,7 +156,24 @@ def with_logged_metrics(logs: dict[str, float], store: dict[str, dict[str, list[
     return logs
 
 
-class TOPRTrainer(SFTTrainer):
+class CardOnSave:
+    """What the TOPR trainers add to their TRL trainer's `save_model`: a model card naming TOPR wherever the model is
+    saved (first among the bases, ahead of the TRL trainer)."""
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """
+        Save the model (or the PEFT adapter) and its tokenizer to `output_dir`, with a model card naming TOPR.
+
+        Args:
+            output_dir (`str`, *optional*):
+                Folder to save to. Defaults to `args.output_dir`.
+        """
+        super().save_model(output_dir, _internal_call)
+        if not _internal_call:  # checkpoints and `push_to_hub` write their own card
+            save_model_card(self, output_dir or self.args.output_dir)
+
+
+class TOPRTrainer(CardOnSave, SFTTrainer):
     r"""
     Trainer for Tapered Off-Policy REINFORCE (TOPR), from [Tapered Off-Policy REINFORCE: Stable and efficient
     reinforcement learning for LLMs](https://huggingface.co/papers/2503.14286).
@@ -547,15 +564,3 @@ class TOPRTrainer(SFTTrainer):
         text = text.replace("[None](https://huggingface.co/None)", f"`{base}`")
         text = text.replace('model="None"', f'model="{self.hub_model_id or self.args.output_dir}"')
         path.write_text(text)
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        """
-        Save the model (or the PEFT adapter) and its tokenizer to `output_dir`, with a model card naming TOPR.
-
-        Args:
-            output_dir (`str`, *optional*):
-                Folder to save to. Defaults to `args.output_dir`.
-        """
-        super().save_model(output_dir, _internal_call)
-        if not _internal_call:  # checkpoints and `push_to_hub` write their own card
-            save_model_card(self, output_dir or self.args.output_dir)
