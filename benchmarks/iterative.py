@@ -4,7 +4,7 @@ rounds and TRL's GRPOTrainer online on the same prompts and reward, each round o
 TOPR is made for, TOPR (with target positive fractions 0.2, 0.5 and 0.8, or none), positives-only, REINFORCE and
 truncated IS (TIS), each round replaying the samples of the rounds before it.
 
-    python benchmarks/iterative.py --scale fast            # tiny Llama, digit reversal (CPU time: docs/benchmarks.md)
+    python benchmarks/iterative.py --scale fast            # tiny Llama, digit reversal (CPU time: docs/benchmarks-iterative.md)
     python benchmarks/iterative.py --scale real --plan     # SmolLM2-135M-Instruct, two-digit products: the runs, hours
     python benchmarks/iterative.py --scale fast --quick    # smoke run (tests/test_benchmarks.py)
     python benchmarks/iterative.py --scale fast --seeds 8 --out benchmarks/results/iterative-fast-8
@@ -46,7 +46,6 @@ import argparse
 import gc
 import json
 import os
-import random
 import statistics
 import sys
 import time
@@ -63,7 +62,15 @@ from iterative_report import ages_table, efficiency_table, plot, summarize, swee
 from ledger import Ledger, per_prompt_lists, read_run, validation_scores
 from provenance import save
 from search import best_rate, plan, reference, sweep
-from tasks import PRETRAIN_ROWS, pretrain_reverser, product_problems, reversal_answer, reversal_reward, reversal_rows
+from tasks import (
+    PRETRAIN_ROWS,
+    pretrain_reverser,
+    product_problems,
+    reversal_answer,
+    reversal_numbers,
+    reversal_reward,
+    reversal_rows,
+)
 
 
 SCALES = {
@@ -196,7 +203,7 @@ def setup(scale: str, work: Path, quick: bool) -> dict:
     pool = settings["prompts"] * (settings["rounds"] if settings.get("fresh_prompts") else 1)
     splits = (pool, settings["val"], settings["test"])
     if scale == "fast":
-        numbers = random.Random(0).sample(range(10**4), PRETRAIN_ROWS + sum(splits))
+        numbers = reversal_numbers(sum(splits))
         model = work / "start"
         if not (model / "config.json").exists():  # the behavior policy of round 1, built once
             pretrain_reverser(str(model), numbers[:PRETRAIN_ROWS])

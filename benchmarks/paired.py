@@ -1,7 +1,11 @@
 """Paired comparisons of two arms of the iterative benchmark: the arms share each seed's starting point and the test
 prompts, so their difference is taken seed by seed and prompt by prompt, and its 95% interval comes from a bootstrap
-over the seeds and the test prompts together. A reading says "above" or "below" only where the interval excludes 0,
-and "tied" where it does not."""
+over the seeds and the test prompts together; beside it, a seed-level interval (Student's t over each seed's
+difference, the prompts fixed), which few seeds leave wide. A reading says "above" or "below" only where both intervals
+exclude 0, and "tied" where either does not.
+
+Each reading is one test at 95%: among pairs that do not differ, about one reading in twenty says "above" or "below"
+by chance, and the benchmarks read many pairs with no correction for that multiplicity."""
 
 import math
 import statistics
@@ -36,26 +40,23 @@ class Difference:
         return seed_interval(self.by_seed)
 
     @property
-    def reading_both(self) -> str:
+    def reading(self) -> str:
         """ "above" or "below" where both the bootstrap interval and the seed-level one exclude 0, else "tied"."""
         low, high = self.seed_interval()
         if self.low > 0 and low > 0:
             return "above"
         return "below" if self.high < 0 and high < 0 else "tied"
 
-    def text_both(self) -> str:
-        """ "+0.012 [+0.004, +0.021] (seeds [+0.001, +0.023])"."""
-        low, high = self.seed_interval()
-        return f"{self.text()} (seeds [{low:+.3f}, {high:+.3f}])"
-
     @property
-    def reading(self) -> str:
-        """ "above" or "below" where the interval excludes 0, else "tied"."""
+    def bootstrap_reading(self) -> str:
+        """The bootstrap interval's reading alone: "above" or "below" where it excludes 0, else "tied"."""
         return "above" if self.low > 0 else "below" if self.high < 0 else "tied"
 
     def text(self) -> str:
-        """ "+0.012 [+0.004, +0.021]"."""
-        return f"{self.estimate:+.3f} [{self.low:+.3f}, {self.high:+.3f}]"
+        """ "+0.012 [+0.004, +0.021] (seeds [+0.001, +0.023])": the estimate, the bootstrap interval and the
+        seed-level one."""
+        low, high = self.seed_interval()
+        return f"{self.estimate:+.3f} [{self.low:+.3f}, {self.high:+.3f}] (seeds [{low:+.3f}, {high:+.3f}])"
 
 
 def t_quantile(q: float, df: int) -> float:

@@ -46,7 +46,7 @@ VALUE = re.compile(r"(<!-- value: (?P<name>[\w.@+-]+) -->)(?P<body>[^\n]*?)(<!--
 FIGURES = {  # docs/images/<name> <- benchmarks/results/<file>
     "learning-real.png": "learning-real/learning.png",
     "learning-fast.png": "learning-fast-lr1e-4/learning.png",
-    "iterative-fast.png": "iterative-fast/iterative.png",
+    "iterative-fast.png": "iterative-fast-8/iterative.png",
     "iterative-easy-before-replay.png": "iterative-easy-before-replay/iterative.png",
     "iterative-real.png": "iterative-real/iterative.png",
     "iterative-real-v2.png": "iterative-real-v2/iterative.png",
@@ -609,19 +609,19 @@ def arm_label(method: str, lr: float | None) -> str:
 
 def iterative_paired(folder: str, pairs: list[tuple]) -> str:
     """Paired differences of arms (first minus second), over the tested rounds from 1 on and after the last round: the
-    estimate with its 95% bootstrap interval over seeds and test prompts, the reading, and each seed's difference.
+    estimate with its 95% bootstrap interval over seeds and test prompts and its seed-level interval, and the reading
+    under both.
     A pair is `(first, second)` at their chosen rates, or `(first, second, lr_first, lr_second)`."""
     lines = [
-        "| first | second | mean over the tested rounds | reading | by seed | after the last round | reading "
-        "| by seed |",
-        "|---|---|---|---|---|---|---|---|",
+        "| first | second | mean over the tested rounds | reading | after the last round | reading |",
+        "|---|---|---|---|---|---|",
     ]
     for first, second, *lrs in pairs:
         lrs = tuple(lrs) or (None, None)
         cells = []
         for which in ("area", "last"):
             d = paired(folder, first, second, which, lrs)
-            cells += [d.text(), d.reading, " / ".join(f"{v:+.3f}" for v in d.by_seed)]
+            cells += [d.text(), d.reading]
         lines.append(f"| {arm_label(first, lrs[0])} | {arm_label(second, lrs[1])} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -629,12 +629,6 @@ def iterative_paired(folder: str, pairs: list[tuple]) -> str:
 def iterative_difference(folder: str, first: str, second: str, which: str = "area", *lrs) -> str:
     """One paired difference, with its interval: "+0.020 [+0.010, +0.031]"."""
     return paired(folder, first, second, which, tuple(lrs) or (None, None)).text()
-
-
-def iterative_difference_both(folder: str, first: str, second: str, which: str = "area") -> str:
-    """One paired difference with its interval and the seed-level one beside: "+0.020 [+0.010, +0.031] (seeds
-    [-0.004, +0.045])"."""
-    return paired(folder, first, second, which).text_both()
 
 
 def iterative_unsolved(folder: str, method: str, lr: float | None = None) -> str:
@@ -647,6 +641,56 @@ def iterative_unsolved(folder: str, method: str, lr: float | None = None) -> str
         never = [i for i, c in enumerate(last["test/correct"]) if c == 0]
         cells.append(f"{len(never)} ({sum(last['test/greedy_correct'][i] == 0 for i in never)})")
     return " / ".join(cells) + f" of {len(runs[0][-1]['test/correct'])}"
+
+
+def reversal_prompts(folder: str) -> tuple[list[str], list[str]]:
+    """The fast scale's training and test prompts, rebuilt from its seed-0 draw (`tasks.reversal_numbers`)."""
+    from iterative import SCALES
+    from tasks import PRETRAIN_ROWS, reversal_numbers, reversal_rows
+
+    scale = SCALES["fast"]
+    if load(folder)["settings"]["prompts"] != scale["prompts"]:
+        raise ValueError(f"{folder} is not the fast scale as it stands in benchmarks/iterative.py")
+    sizes = scale["prompts"], scale["val"], scale["test"]
+    prompts = [row["prompt"] for row in reversal_rows(reversal_numbers(sum(sizes))[PRETRAIN_ROWS:])]
+    return prompts[: sizes[0]], prompts[sizes[0] + sizes[1] :]
+
+
+def in_class(prompt: str) -> bool:
+    """The class of reversal prompts whose third digit is 0 ("rev 4 7 0 2 ="), which the fast scale's training prompts
+    barely contain."""
+    return prompt.split()[3] == "0"
+
+
+def reversal_class(folder: str) -> str:
+    """How many test and training prompts the class holds: "12 of the 128 test prompts, 1 of the 64 training ones"."""
+    train, test = reversal_prompts(folder)
+    return (
+        f"{sum(map(in_class, test))} of the {len(test)} test prompts, {sum(map(in_class, train))} of the "
+        f"{len(train)} training ones"
+    )
+
+
+def class_unsolved(folder: str, method: str) -> str:
+    """The seeds whose test prompts without a correct sample after the last round are exactly the class: "5 of 8"."""
+    test = reversal_prompts(folder)[1]
+    members = {i for i, prompt in enumerate(test) if in_class(prompt)}
+    runs = arm_runs(folder, method)
+    exact = sum({i for i, c in enumerate(run[-1]["test/correct"]) if c == 0} == members for run in runs)
+    return f"{exact} of {len(runs)}"
+
+
+def class_difference(folder: str, first: str, second: str, inside: bool) -> str:
+    """The paired difference after the last round on the class's test prompts (`inside`) or on the others."""
+    test = reversal_prompts(folder)[1]
+    keep = [i for i, prompt in enumerate(test) if in_class(prompt) == inside]
+
+    def subset(runs):
+        return [[{"test/correct": [run[-1]["test/correct"][i] for i in keep]}] for run in runs]
+
+    k = load(folder)["settings"]["k"]
+    a, b = subset(arm_runs(folder, first)), subset(arm_runs(folder, second))
+    return paired_stats.paired_difference(a, b, [0], k).text() + f" over {len(keep)} prompts"
 
 
 def iterative_curves(folder: str, methods: list[str] | None = None) -> str:
@@ -1029,7 +1073,7 @@ def verifier_tables() -> str:
 
 
 # The fast scale's paired comparisons (first, second[, rate of the first, rate of the second]): the questions of
-# docs/benchmarks.md, in its order
+# docs/benchmarks-iterative.md, in its order
 FAST_PAIRS = [
     ("topr_peff0.8+replay", "positives_only+replay"),
     ("topr_peff0.8+replay", "positives_only"),
@@ -1048,19 +1092,22 @@ FAST_PAIRS = [
     ("topr_peff0.8", "topr_peff0.5"),
     ("topr_peff0.8+replay", "topr_peff0.5+replay"),
     ("topr_peff0.8+replay", "topr_peff0.2+replay"),
+    ("topr_peff0.8", "grpo"),
 ]
 # the ones the prose quotes, by name
 FAST_DIFFERENCES = {
     "q1": (FAST_PAIRS[0], ("area", "last")),
-    "q1_on_policy": (FAST_PAIRS[1], ("area", "last")),
+    "q1_on_policy": (FAST_PAIRS[1], ("last",)),
     "peff": (FAST_PAIRS[5], ("area",)),
     "peff_replay": (FAST_PAIRS[6], ("area",)),
     "rate": (FAST_PAIRS[12], ("area", "last")),
-    "grpo_rft": (FAST_PAIRS[4], ("area", "last")),
-    "peff_rft": (FAST_PAIRS[2], ("area", "last")),
-    "target": (FAST_PAIRS[14], ("area", "last")),
-    "target_replay": (FAST_PAIRS[15], ("area", "last")),
+    "grpo_rft": (FAST_PAIRS[4], ("area",)),
+    "peff_rft": (FAST_PAIRS[2], ("area",)),
+    "target": (FAST_PAIRS[14], ("area",)),
+    "target_replay": (FAST_PAIRS[15], ("area",)),
     "target_replay_0.2": (FAST_PAIRS[16], ("area",)),
+    "replay": (FAST_PAIRS[9], ("area",)),
+    "default_grpo": (FAST_PAIRS[17], ("area",)),
 }
 # real scale v2's questions (first minus second): the loop's default against the paper's setting, the fast scale's
 # first question and its on-policy twin, TOPR against positives-only on-policy, replay against on-policy (the
@@ -1078,16 +1125,17 @@ V2_PAIRS = [
 ]
 # the ones the prose quotes, by name
 V2_DIFFERENCES = {
-    "peff_replay": V2_PAIRS[0],
-    "replay": V2_PAIRS[4],
-    "q1_on_policy": V2_PAIRS[2],
-    "peff": V2_PAIRS[3],
-    "grpo": V2_PAIRS[7],
-    "grpo_rft": V2_PAIRS[8],
-    "peff_replay_rft_replay": V2_PAIRS[1],
-    "rft_replay": V2_PAIRS[5],
-    "reinforce_replay": V2_PAIRS[6],
+    "peff_replay": (V2_PAIRS[0], ("area", "last")),
+    "replay": (V2_PAIRS[4], ("area",)),
+    "q1_on_policy": (V2_PAIRS[2], ("last",)),
+    "peff": (V2_PAIRS[3], ("area",)),
+    "grpo": (V2_PAIRS[7], ("area", "last")),
+    "grpo_rft": (V2_PAIRS[8], ("area", "last")),
+    "peff_replay_rft_replay": (V2_PAIRS[1], ("area", "last")),
+    "rft_replay": (V2_PAIRS[5], ("area", "last")),
+    "reinforce_replay": (V2_PAIRS[6], ("area", "last")),
 }
+FAST = "iterative-fast-8"  # the fast scale read on 8 seeds (its first 3 are iterative-fast's runs)
 BEFORE = "iterative-easy-before-replay"  # the real scale as first run: on-policy rounds, the earlier protocol
 ON_POLICY_ARMS = [m for m in ARMS if not ARMS[m].replay]  # the iterative benchmark's arms
 REPLAY_ARMS = [m for m in ARMS if ARMS[m].replay]
@@ -1100,12 +1148,9 @@ QUOTES: dict[str, tuple] = {
     "embedded.time": (run_time, "embedded"),
     "embedded.machine": (machine, "embedded"),
     "embedded.precision": (embedded_precision,),
-    "embedded.probe": (embedded_probe,),
     "embedded.precision_line": (embedded_precision_line,),
     "embedded.greedy.before": (embedded_metric, "pass@1_greedy", 0),
     "embedded.greedy.after": (embedded_metric, "pass@1_greedy", -1),
-    "embedded.invalid.before": (embedded_metric, "invalid_rate", 0),
-    "embedded.invalid.after": (embedded_metric, "invalid_rate", -1),
     "embedded.commit": (commit, "embedded"),
     # the embedded default with a calculator tool
     "calculator.table": (calculator_table,),
@@ -1164,27 +1209,27 @@ QUOTES: dict[str, tuple] = {
     "learning-fast.machine": (machine, "learning-fast-lr1e-4"),
     "learning-fast.dataset": (dataset, "learning-fast-lr1e-4"),
     # iterative, fast scale
-    "iterative-fast.table": (iterative_table, "iterative-fast"),
-    "iterative-fast.curves": (iterative_curves, "iterative-fast"),
-    "iterative-fast.sweeps": (iterative_sweeps, "iterative-fast"),
-    "iterative-fast.diagnosis": (iterative_diagnosis, "iterative-fast", {1, 4, 8}, {*ON_POLICY_ARMS, "topr+replay"}),
-    "iterative-fast.replay": (iterative_replay, "iterative-fast"),
+    "iterative-fast.table": (iterative_table, FAST),
+    "iterative-fast.curves": (iterative_curves, FAST),
+    "iterative-fast.sweeps": (iterative_sweeps, FAST),
+    "iterative-fast.diagnosis": (iterative_diagnosis, FAST, {1, 4, 8}, {*ON_POLICY_ARMS, "topr+replay"}),
+    "iterative-fast.replay": (iterative_replay, FAST),
     "iterative-fast.same_rate": (
         iterative_same_rate,
-        "iterative-fast",
+        FAST,
         ["reinforce+replay", "tis+replay", "topr+replay"],
         1e-5,
     ),
-    "iterative-fast.ages": (iterative_ages, "iterative-fast", {2, 4, 8}, {"topr+replay", "topr_peff0.2+replay"}),
+    "iterative-fast.ages": (iterative_ages, FAST, {2, 4, 8}, {"topr+replay", "topr_peff0.2+replay"}),
     "iterative-fast.time": (iterative_time, "iterative-fast"),
-    "iterative-fast.efficiency": (table, "iterative-fast", "efficiency.md"),
-    "iterative-fast.areas": (iterative_areas, "iterative-fast"),
-    "iterative-fast.rates": (iterative_rates, "iterative-fast", REPLAY_ARMS, [2, 4, 8]),
-    "iterative-fast.paired": (iterative_paired, "iterative-fast", FAST_PAIRS),
+    "iterative-fast.efficiency": (table, FAST, "efficiency.md"),
+    "iterative-fast.areas": (iterative_areas, FAST),
+    "iterative-fast.rates": (iterative_rates, FAST, REPLAY_ARMS, [2, 4, 8]),
+    "iterative-fast.paired": (iterative_paired, FAST, FAST_PAIRS),
     **{
         f"iterative-fast.difference.{name}.{which}": (
             iterative_difference,
-            "iterative-fast",
+            FAST,
             *pair[:2],
             which,
             *pair[2:],
@@ -1195,7 +1240,7 @@ QUOTES: dict[str, tuple] = {
     **{
         f"iterative-fast.plateau.{method}{'_' + rate_text(lr) if lr else ''}": (
             iterative_unsolved,
-            "iterative-fast",
+            FAST,
             method,
             lr,
         )
@@ -1208,7 +1253,7 @@ QUOTES: dict[str, tuple] = {
     },
     "iterative-fast.rate_curves": (
         iterative_rate_curves,
-        "iterative-fast",
+        FAST,
         [
             ("positives_only", 3e-4),
             ("positives_only", 1e-3),
@@ -1218,18 +1263,25 @@ QUOTES: dict[str, tuple] = {
     ),
     "iterative-fast.importance": (
         iterative_importance,
-        "iterative-fast",
+        FAST,
         ["reinforce+replay", "tis+replay", "topr+replay"],
         1e-5,
         list(range(1, 9)),
     ),
     "iterative-fast.importance_1e-4": (
         iterative_importance,
-        "iterative-fast",
+        FAST,
         ["reinforce+replay", "tis+replay", "topr+replay"],
         1e-4,
         list(range(1, 9)),
     ),
+    "iterative-fast.class": (reversal_class, FAST),
+    "iterative-fast.class_unsolved.positives_only": (class_unsolved, FAST, "positives_only"),
+    "iterative-fast.class_unsolved.positives_only+replay": (class_unsolved, FAST, "positives_only+replay"),
+    **{
+        f"iterative-fast.class_difference.{where}": (class_difference, FAST, *FAST_PAIRS[1], where == "inside")
+        for where in ("inside", "outside")
+    },
     "iterative-fast.commit": (commit, "iterative-fast"),
     "iterative-fast.machine": (machine, "iterative-fast"),
     "iterative-fast.start": (iterative_start, "iterative-fast", "pass@1"),
@@ -1258,8 +1310,8 @@ QUOTES: dict[str, tuple] = {
     ),
     **{
         f"iterative-real-v2.difference.{name}.{which}": (iterative_difference, "iterative-real-v2", *pair, which)
-        for name, pair in V2_DIFFERENCES.items()
-        for which in ("area", "last")
+        for name, (pair, whiches) in V2_DIFFERENCES.items()
+        for which in whiches
     },
     "iterative-real-v2-plan.machine": (machine, "iterative-real-v2-plan"),
     "iterative-real-v2-plan.total": (log_match, "iterative-real-v2-plan", "log.txt", V2_PLAN_TOTAL),
@@ -1369,7 +1421,6 @@ QUOTES: dict[str, tuple] = {
     "precision.machine": (machine, "precision"),
     "precision.ratio": (result_value, "precision", "bf16_over_fp32", "{:.2f}"),
     "precision.picks": (result_value, "precision", "picks"),
-    "precision-avx2.picks": (result_value, "precision-avx2", "picks"),
     "precision-avx2.ratio": (result_value, "precision-avx2", "bf16_over_fp32", "{:.2f}"),
     "precision-avx512.ratio": (result_value, "precision-avx512", "bf16_over_fp32", "{:.2f}"),
     # vLLM's start-up, eager and compiled
@@ -1402,15 +1453,15 @@ QUOTES: dict[str, tuple] = {
     "async-throughput.rollout_wait": (result_value, "async-throughput", ("arms", "async", "rollout_wait_s"), duration),
     "async-throughput.sync_sampling": (result_value, "async-throughput", ("arms", "sync", "sampling_s"), duration),
     "async-throughput.sync_training": (result_value, "async-throughput", ("arms", "sync", "training_s"), duration),
-    "iterative-fast.both.paper_grpo.area": (iterative_difference_both, "iterative-fast", "topr", "grpo"),
-    "iterative-real-v2.both.paper_replay_grpo.area": (
-        iterative_difference_both,
+    "iterative-fast.difference.paper_grpo.area": (iterative_difference, FAST, "topr", "grpo"),
+    "iterative-real-v2.difference.paper_replay_grpo.area": (
+        iterative_difference,
         "iterative-real-v2",
         "topr+replay",
         "grpo",
     ),
-    "iterative-real-v2.both.rft_replay_grpo.area": (
-        iterative_difference_both,
+    "iterative-real-v2.difference.rft_replay_grpo.area": (
+        iterative_difference,
         "iterative-real-v2",
         "positives_only+replay",
         "grpo",
@@ -1442,6 +1493,14 @@ QUOTES: dict[str, tuple] = {
     "gpu-h200-padding-free.ratio": (column_span, "gpu-h200-padding-free/r", "TOPR-pf/TOPR"),
     "gpu-h200-padding-free.memory": (column_span, "gpu-h200-padding-free/r", "mem TOPR-pf/TOPR"),
     "gpu-h200-padding-free.time": (run_time, "gpu-h200-padding-free", 0),
+    # the default parts run again on the same kind of machine, at a later commit, and padding-free once more
+    "gpu-h200-rerun.commit": (commit, "gpu-h200-rerun", 0),
+    "gpu-h200-rerun.tests": (log_match, "gpu-h200-rerun", "tests.log", r"\d+ passed(, \d+ skipped)?"),
+    "gpu-h200-rerun.limits": (time_limits, "gpu-h200-rerun", (1,)),
+    "gpu-h200-rerun.mfu": (table, "gpu-h200-rerun/mfu"),
+    "gpu-h200-rerun.step": (table, "gpu-h200-rerun/step"),
+    "gpu-h200-rerun.padding_free": (table, "gpu-h200-rerun/padding-free-again/r"),
+    "gpu-h200-rerun.padding_free_time": (run_time, "gpu-h200-rerun/padding-free-again", 0),
     "gpu-h100.cost": (table, "gpu-h100", "cost-reps2.log"),
     "gpu-h100.qlora": (table, "gpu-h100", "qlora.log"),
     "gpu-h100.sampling": (table, "gpu-h100", "sampling.log"),

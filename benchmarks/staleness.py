@@ -360,11 +360,9 @@ def learning(results: dict, setting: dict) -> str:
             cells = ["", ""]
             if lag and len(fresh) >= len(runs):
                 cost = paired_difference(runs, fresh[: len(runs)], list(range(1, count)), setting["k"])
-                cells = [cost.text_both(), cost.reading_both]
+                cells = [cost.text(), cost.reading]
             lines.append(
-                f"| {arm} | {lag} | {len(runs)} | {gain.text_both()} | {gain.reading_both} | "
-                + " | ".join(cells)
-                + " |"
+                f"| {arm} | {lag} | {len(runs)} | {gain.text()} | {gain.reading} | " + " | ".join(cells) + " |"
             )
     return "\n".join(lines)
 
@@ -387,8 +385,7 @@ def readings(results: dict, setting: dict) -> str:
             area = paired_difference(topr[:seeds], runs[:seeds], list(range(1, count)), setting["k"])
             last = paired_difference(topr[:seeds], runs[:seeds], [count - 1], setting["k"])
             lines.append(
-                f"| {lag} | {other} | {seeds} | {area.text_both()} | {area.reading_both} | {last.text_both()} | "
-                f"{last.reading_both} |"
+                f"| {lag} | {other} | {seeds} | {area.text()} | {area.reading} | {last.text()} | {last.reading} |"
             )
     return "\n".join(lines)
 

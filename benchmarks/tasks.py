@@ -21,6 +21,12 @@ def reversal_rows(numbers: list[int]) -> list[dict]:
     return rows
 
 
+def reversal_numbers(rows: int) -> list[int]:
+    """The fast scale's numbers, drawn once with seed 0: the behavior policy's `PRETRAIN_ROWS` SFT rows, then `rows`
+    prompts (training, validation and test, in that order), all distinct."""
+    return random.Random(0).sample(range(10**4), PRETRAIN_ROWS + rows)
+
+
 def reversal_answer(text: str) -> str | None:
     """The four digits of a reversal completion, or None when it is not four single digits (invalid)."""
     tokens = text.split()

@@ -630,7 +630,8 @@ def test_the_seed_level_interval_is_students_t():
         0.2 + 4.303 * 0.1 / 3**0.5, 4
     )
     difference = paired.Difference(0.02, 0.01, 0.03, [0.05, -0.01])  # the bootstrap excludes 0, the seeds do not
-    assert difference.reading == "above" and difference.reading_both == "tied"
+    assert difference.bootstrap_reading == "above" and difference.reading == "tied"
+    assert difference.text() == "+0.020 [+0.010, +0.030] (seeds [-0.361, +0.401])"
 
 
 def test_iterative_seeds_option_plans_more_seeds_beside_the_committed_results(tmp_path, capsys):

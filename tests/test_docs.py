@@ -1,6 +1,8 @@
 """The examples in the docstrings run and print what they say."""
 
 import doctest
+import re
+from pathlib import Path
 
 import pytest
 
@@ -69,3 +71,25 @@ def test_ci_runs_both_of_readme_commands_verbatim():
     # end the script itself when it fails, or CI would go on to report success.
     (line,) = [line for line in ci.splitlines() if commands[1] in line]
     assert line.rstrip().endswith("|| exit 1"), line
+
+
+def test_the_readme_is_read_in_minutes_and_no_docs_page_runs_long():
+    # README: what TOPR is, install, a way in for each trainer, the CLI, one figure and a small table of the answers a
+    # user acts on, each linking to its page; the rest lives in docs/, one question a page
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    assert len(readme.splitlines()) <= 150
+    assert readme.count("<!-- value:") <= 15  # the quoted numbers
+    figures = re.findall(r"!\[[^\]]+\]\(([^)]+\.png)\)", readme)
+    assert figures and all((root / figure).exists() for figure in figures)
+    for way_in in ("TOPRTrainer(", "run_topr_loop(", "TOPRGRPOTrainer(", "TOPRAsyncGRPOTrainer", "trl-topr train"):
+        assert way_in in readme, way_in
+    for page in (root / "docs").glob("*.md"):
+        assert len(page.read_text().splitlines()) <= 700, page.name
+    # every link of the README leads to a page and a heading there (mkdocs checks the docs' own links, not these)
+    from markdown.extensions.toc import slugify
+
+    for target, anchor in re.findall(r"\]\((docs/[\w./-]+\.md)(?:#([\w-]+))?\)", readme):
+        assert (root / target).exists(), target
+        headings = re.findall(r"^#{1,6} (.*)$", (root / target).read_text(), re.M)
+        assert not anchor or anchor in {slugify(h, "-") for h in headings}, f"{target}#{anchor}"

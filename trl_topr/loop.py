@@ -187,7 +187,8 @@ def run_topr_loop(
             `seed` + r seeds round r's sampling, `seed` the evaluation's; `disable_tqdm` hides the progress bars.
             Where it sets no baseline (neither `baseline` nor `target_positive_fraction`), TOPR's rounds train with
             `target_positive_fraction` = `loop_args.default_target_positive_fraction` (0.8: what the iterative
-            benchmark found above the paper's baseline 0, see [`TOPRLoopConfig.training_args`]); `baseline=0.0` is
+            benchmark found above the paper's baseline 0 on-policy at its fast scale, see
+            [`TOPRLoopConfig.training_args`]); `baseline=0.0` is
             the paper's setting. Each round records the `baseline` and `target_positive_fraction` it trained with in
             `metrics.jsonl`, its `training_args.bin` and its trainer state.
         eval_prompts ([`~datasets.Dataset`] or `dict[str, Dataset]`, *optional*):

@@ -68,8 +68,9 @@ class TOPRLoopConfig(VLLMArguments):
         default_target_positive_fraction (`float`, *optional*, defaults to `0.8`):
             The target positive fraction TOPR's rounds train with where the training configuration sets no baseline
             (neither `baseline` nor `target_positive_fraction`): what the iterative benchmark found above the paper's
-            baseline 0 (docs/benchmarks.md, "What to set"). `None` trains them with [`TOPRConfig`]'s own default,
-            baseline 0. [`training_args`] applies it, and the rounds record what they trained with.
+            baseline 0 on-policy at its fast scale (docs/benchmarks.md, "What to set"). `None` trains them with
+            [`TOPRConfig`]'s own default, baseline 0. [`training_args`] applies it, and the rounds record what they
+            trained with.
 
     Example:
     ```python

@@ -4,7 +4,7 @@ elsewhere.
 TRL's configurations turn bf16 mixed precision on by default. That is right on recent GPUs and wrong on many CPUs,
 where bf16 matmuls are emulated and run many times slower than float32. CPU flags do not settle it: on CPUs with
 AVX512-BF16 and no AMX, bf16 has run faster than float32 on one and slower on another (`benchmarks/results/precision*`
-and docs/benchmarks.md). So on a CPU the choice is measured: a
+and docs/benchmarks-cost.md). So on a CPU the choice is measured: a
 short matmul probe ([`measure_cpu_bf16_speedup`], about a second), run once per CPU model and torch version and cached
 ([`cpu_bf16_speedup`]). Every place of this library that trains, samples or evaluates a model follows
 [`bf16_is_faster`] when the user has not chosen a precision; `python benchmarks/precision.py` measures both precisions
