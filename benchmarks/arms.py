@@ -14,8 +14,9 @@ class Arm:
             Its name in the results (`+replay` ends the name of a replay arm, by convention).
         options (`dict`):
             The `TOPRConfig` fields of its training (`loss_type`, `target_positive_fraction`, ...); none for GRPO. The
-            baseline is spelled out (`target_positive_fraction: None` is the paper's baseline 0), so that a change of
-            the library's defaults never changes what an arm trains.
+            baseline is spelled out (`baseline: 0.0` for the paper's, a `target_positive_fraction` otherwise), so that
+            a change of the library's defaults never changes what an arm trains: left unset, the loop would train
+            TOPR with its own default target.
         replay (`bool`, *optional*, defaults to `False`):
             Every round also trains on the samples of the scale's `replay` rounds before it (off-policy); its rates
             sweep the scale's `replay_lrs`, every rate scored (the same-rate table).
@@ -35,20 +36,20 @@ class Arm:
 ARMS = {
     arm.name: arm
     for arm in [
-        Arm("topr", {"loss_type": "topr", "target_positive_fraction": None}),
+        Arm("topr", {"loss_type": "topr", "baseline": 0.0}),
         Arm("topr_peff0.5", {"loss_type": "topr", "target_positive_fraction": 0.5}),
         Arm("topr_peff0.8", {"loss_type": "topr", "target_positive_fraction": 0.8}),
-        Arm("positives_only", {"loss_type": "positives_only", "target_positive_fraction": None}),
-        Arm("reinforce", {"loss_type": "reinforce", "target_positive_fraction": None}),
-        Arm("topr_anna_karenina", {"loss_type": "topr", "target_positive_fraction": None}, curate="anna_karenina"),
+        Arm("positives_only", {"loss_type": "positives_only", "baseline": 0.0}),
+        Arm("reinforce", {"loss_type": "reinforce", "baseline": 0.0}),
+        Arm("topr_anna_karenina", {"loss_type": "topr", "baseline": 0.0}, curate="anna_karenina"),
         Arm("grpo", online=True),
         # the off-policy regime: every round also trains on the samples of the `replay` rounds before it
-        Arm("topr+replay", {"loss_type": "topr", "target_positive_fraction": None}, replay=True),
+        Arm("topr+replay", {"loss_type": "topr", "baseline": 0.0}, replay=True),
         Arm("topr_peff0.2+replay", {"loss_type": "topr", "target_positive_fraction": 0.2}, replay=True),
         Arm("topr_peff0.5+replay", {"loss_type": "topr", "target_positive_fraction": 0.5}, replay=True),
         Arm("topr_peff0.8+replay", {"loss_type": "topr", "target_positive_fraction": 0.8}, replay=True),
-        Arm("positives_only+replay", {"loss_type": "positives_only", "target_positive_fraction": None}, replay=True),
-        Arm("reinforce+replay", {"loss_type": "reinforce", "target_positive_fraction": None}, replay=True),
-        Arm("tis+replay", {"loss_type": "tis", "target_positive_fraction": None}, replay=True),
+        Arm("positives_only+replay", {"loss_type": "positives_only", "baseline": 0.0}, replay=True),
+        Arm("reinforce+replay", {"loss_type": "reinforce", "baseline": 0.0}, replay=True),
+        Arm("tis+replay", {"loss_type": "tis", "baseline": 0.0}, replay=True),
     ]
 }
