@@ -4,7 +4,7 @@ rounds and TRL's GRPOTrainer online on the same prompts and reward, each round o
 TOPR is made for, TOPR (with target positive fractions 0.2, 0.5 and 0.8, or none), positives-only, REINFORCE and
 truncated IS (TIS), each round replaying the samples of the rounds before it.
 
-    python benchmarks/iterative.py --scale fast            # tiny Llama, digit reversal (CPU time: docs/benchmarks-iterative.md)
+    python benchmarks/iterative.py --scale fast            # tiny Llama, digit reversal (its CPU time: docs/)
     python benchmarks/iterative.py --scale real --plan     # SmolLM2-135M-Instruct, two-digit products: the runs, hours
     python benchmarks/iterative.py --scale fast --quick    # smoke run (tests/test_benchmarks.py)
     python benchmarks/iterative.py --scale fast --seeds 8 --out benchmarks/results/iterative-fast-8
