@@ -1282,7 +1282,7 @@ QUOTES: dict[str, tuple] = {
     },
     "iterative-fast.commit": (commit, "iterative-fast"),
     "iterative-fast.machine": (machine, "iterative-fast"),
-    "iterative-fast.start": (iterative_start, "iterative-fast", "pass@1"),
+    "iterative-fast.start": (iterative_start, FAST, "pass@1"),
     # iterative, the real scale (finished) and the easy task (stopped)
     "iterative-easy.progress": (iterative_progress, "iterative-easy"),
     "iterative-easy.run_time": (iterative_time, "iterative-easy", mean),
