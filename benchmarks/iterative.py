@@ -195,13 +195,24 @@ QUICK = {
 
 
 # ---------------------------------------------------------------------------------------------------------------- task
+def split_sizes(settings: dict) -> tuple[int, int, int]:
+    """The sizes of a scale's training pool (each round's prompts where they are fresh), validation and test splits."""
+    pool = settings["prompts"] * (settings["rounds"] if settings.get("fresh_prompts") else 1)
+    return pool, settings["val"], settings["test"]
+
+
+def split_rows(rows: list, sizes: tuple[int, int, int]) -> tuple[list, list, list]:
+    """The training, validation and test rows, in that order from the start of `rows`."""
+    train, val = rows[: sizes[0]], rows[sizes[0] : sizes[0] + sizes[1]]
+    return train, val, rows[sizes[0] + sizes[1] : sum(sizes)]
+
+
 def setup(scale: str, work: Path, quick: bool) -> dict:
     """The starting model, the prompts (train / validation / test) and the task's functions."""
     from datasets import Dataset
 
     settings = dict(SCALES[scale], **(QUICK if quick else {}))
-    pool = settings["prompts"] * (settings["rounds"] if settings.get("fresh_prompts") else 1)
-    splits = (pool, settings["val"], settings["test"])
+    splits = split_sizes(settings)
     if scale == "fast":
         numbers = reversal_numbers(sum(splits))
         model = work / "start"
@@ -223,8 +234,7 @@ def setup(scale: str, work: Path, quick: bool) -> dict:
             "answer": extract_final_answer,
             "description": "SmolLM2-135M-Instruct, 'What is a * b?' (a 11-99, b 2-9), one-shot",
         }
-    train, val = rows[: splits[0]], rows[splits[0] : splits[0] + splits[1]]
-    test = rows[splits[0] + splits[1] : sum(splits)]
+    train, val, test = split_rows(rows, splits)
     return dict(
         settings,
         model=str(model),

@@ -645,15 +645,14 @@ def iterative_unsolved(folder: str, method: str, lr: float | None = None) -> str
 
 def reversal_prompts(folder: str) -> tuple[list[str], list[str]]:
     """The fast scale's training and test prompts, rebuilt from its seed-0 draw (`tasks.reversal_numbers`)."""
-    from iterative import SCALES
+    from iterative import SCALES, split_rows, split_sizes
     from tasks import PRETRAIN_ROWS, reversal_numbers, reversal_rows
 
-    scale = SCALES["fast"]
-    if load(folder)["settings"]["prompts"] != scale["prompts"]:
+    if load(folder)["settings"]["prompts"] != SCALES["fast"]["prompts"]:
         raise ValueError(f"{folder} is not the fast scale as it stands in benchmarks/iterative.py")
-    sizes = scale["prompts"], scale["val"], scale["test"]
-    prompts = [row["prompt"] for row in reversal_rows(reversal_numbers(sum(sizes))[PRETRAIN_ROWS:])]
-    return prompts[: sizes[0]], prompts[sizes[0] + sizes[1] :]
+    sizes = split_sizes(SCALES["fast"])
+    train, _, test = split_rows(reversal_rows(reversal_numbers(sum(sizes))[PRETRAIN_ROWS:]), sizes)
+    return [row["prompt"] for row in train], [row["prompt"] for row in test]
 
 
 def in_class(prompt: str) -> bool:
@@ -680,8 +679,9 @@ def class_unsolved(folder: str, method: str) -> str:
     return f"{exact} of {len(runs)}"
 
 
-def class_difference(folder: str, first: str, second: str, inside: bool) -> str:
-    """The paired difference after the last round on the class's test prompts (`inside`) or on the others."""
+def class_paired(folder: str, first: str, second: str, inside: bool) -> tuple[paired_stats.Difference, int]:
+    """The paired difference after the last round on the class's test prompts (`inside`) or on the others, and how
+    many prompts it is over."""
     test = reversal_prompts(folder)[1]
     keep = [i for i, prompt in enumerate(test) if in_class(prompt) == inside]
 
@@ -690,7 +690,13 @@ def class_difference(folder: str, first: str, second: str, inside: bool) -> str:
 
     k = load(folder)["settings"]["k"]
     a, b = subset(arm_runs(folder, first)), subset(arm_runs(folder, second))
-    return paired_stats.paired_difference(a, b, [0], k).text() + f" over {len(keep)} prompts"
+    return paired_stats.paired_difference(a, b, [0], k), len(keep)
+
+
+def class_difference(folder: str, first: str, second: str, inside: bool) -> str:
+    """`class_paired` as the docs quote it: "+0.622 [+0.250, +0.875] (seeds [...]) over 12 prompts"."""
+    difference, prompts = class_paired(folder, first, second, inside)
+    return f"{difference.text()} over {prompts} prompts"
 
 
 def iterative_curves(folder: str, methods: list[str] | None = None) -> str:

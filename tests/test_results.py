@@ -150,7 +150,9 @@ def test_fast_answers_off_policy():
     # on the area, tied after the last round
     assert tied("topr_peff0.8+replay", "positives_only+replay")
     assert tied("topr_peff0.8+replay", "positives_only+replay", "last")
-    assert report.paired("iterative-fast", "topr_peff0.8+replay", "positives_only+replay").bootstrap_reading == "above"
+    for which in ("area", "last"):
+        three = report.paired("iterative-fast", "topr_peff0.8+replay", "positives_only+replay", which)
+        assert three.bootstrap_reading == "above", which
     assert tied("topr_peff0.8+replay", "positives_only") and above("topr_peff0.8+replay", "positives_only", "last")
     assert reading("topr+replay", "positives_only+replay") == "below"
     assert tied("topr+replay", "positives_only+replay", "last")
@@ -440,11 +442,10 @@ def test_positives_only_misses_one_class_the_training_prompts_barely_hold():
             assert all(run[-1]["test/greedy_correct"][i] == 0 for i in never)
     assert report.class_unsolved(FAST, "positives_only") == f"{failed} of 8" and failed >= 2
     assert all(0 not in run[-1]["test/correct"] for run in report.arm_runs(FAST, "topr_peff0.8+replay"))
-    inside = report.class_difference(FAST, "topr_peff0.8+replay", "positives_only", True)
-    outside = report.class_difference(FAST, "topr_peff0.8+replay", "positives_only", False)
-    assert inside.startswith("+") and outside.endswith("over 116 prompts")
-    low, high = (float(v) for v in outside.split("[")[1].split("]")[0].split(","))
-    assert low < 0 < high  # tied outside the class
+    inside, count = report.class_paired(FAST, "topr_peff0.8+replay", "positives_only", True)
+    assert inside.reading == "above" and count == 12
+    outside, count = report.class_paired(FAST, "topr_peff0.8+replay", "positives_only", False)
+    assert outside.reading == "tied" and count == 116  # tied outside the class
 
 
 def test_real_v2_reinforce_with_replay_reading():
