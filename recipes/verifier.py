@@ -256,9 +256,11 @@ def main(
                 training_args,
                 sampler if generator == model else None,
             )
-            if PartialState().is_main_process:
+            if PartialState().is_main_process:  # whole or not at all: a run started again reads it back
                 output_dir.mkdir(parents=True, exist_ok=True)
-                solutions_file.write_text(json.dumps(solutions))
+                partial = solutions_file.with_suffix(".partial")
+                partial.write_text(json.dumps(solutions))
+                partial.replace(solutions_file)
         train_prompts, test_prompts = verifier_prompts(solutions["train"]), verifier_prompts(solutions["test"])
         rounds = run_topr_loop(
             model,

@@ -1,6 +1,12 @@
 """Shared fixtures: a tiny Llama built from a config with a small BPE tokenizer, saved once per session."""
 
 import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
 import weakref
 
 
@@ -18,7 +24,7 @@ from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects  
 
 from trl_topr import TOPRConfig, TOPRTrainer  # noqa: E402
 from trl_topr.compat import CHECKPOINTING  # noqa: E402
-from trl_topr.testing import CHATML, CORPUS, build_tiny_model  # noqa: E402, F401  (the tests import them from here)
+from trl_topr.testing import CHATML, CORPUS, build_tiny_model, kill_tree  # noqa: E402, F401  (the tests import them from here)
 
 
 def end_processes() -> None:
@@ -37,6 +43,98 @@ def end_processes() -> None:
     state.wait_for_everyone()
     gc.collect()
     state.destroy_process_group()
+
+
+LAUNCH_TIMEOUT = (
+    600  # seconds: a launch that runs longer is stopped, and its test fails with each process's last lines
+)
+
+
+def free_port() -> int:
+    """A free TCP port on this machine."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Launch:
+    """
+    `script` with `arguments` under `accelerate launch` on `num_processes` CPU processes (gloo), started in the
+    background: with `config_file` (an Accelerate configuration for CPU, see `trl_topr.testing.cpu_launch_config`),
+    or else accelerate's torch.distributed launcher (`--multi_gpu`, gloo without a GPU). It runs in a process group of
+    its own, on a port of its own, each process's output kept apart (torchrun's `--tee`); [`finish`] waits for it.
+    """
+
+    def __init__(self, script, *arguments, config_file=None, num_processes: int = 2, env=None, cwd=None):
+        self.logs = Path(tempfile.mkdtemp(prefix="launch-"))
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port())]
+        if config_file is not None:
+            command += ["--config_file", str(config_file)]
+        else:
+            command += ["--multi_gpu", "--num_processes", str(num_processes), "--num_machines", "1"]
+            command += ["--mixed_precision", "no", "--dynamo_backend", "no"]
+        self.command = command + ["--tee", "3", "--log_dir", str(self.logs), str(script), *map(str, arguments)]
+        environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "DS_ACCELERATOR": "cpu"}
+        with open(self.logs / "launcher.log", "w") as out:  # a file, not a pipe that could fill up and block them
+            self.process = subprocess.Popen(
+                self.command,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**environment, **(env or {})},
+                cwd=cwd,
+                start_new_session=True,
+            )
+        self.start = time.monotonic()
+
+    def finish(self, timeout: float = LAUNCH_TIMEOUT, check: bool = True) -> subprocess.CompletedProcess:
+        """
+        Wait for the launch, at most `timeout` seconds from its start: past it, the whole group is stopped; then, or
+        where it failed and `check`, the test fails with each process's last lines.
+
+        Returns:
+            `subprocess.CompletedProcess`: its exit status and output (stdout and stderr of every process).
+        """
+        try:
+            self.process.wait(timeout=max(timeout - (time.monotonic() - self.start), 0))
+        except subprocess.TimeoutExpired:
+            pytest.fail(
+                f"The launch ran past {timeout:.0f} s and was stopped.\n{last_lines(self.logs)}", pytrace=False
+            )
+        finally:
+            if self.process.poll() is None:
+                kill_tree(self.process.pid)  # the launcher and its workers (in sessions of their own)
+                self.process.wait()
+        seconds, output = time.monotonic() - self.start, (self.logs / "launcher.log").read_text(errors="replace")
+        if check and self.process.returncode != 0:
+            pytest.fail(
+                f"The launch failed (exit status {self.process.returncode}) after {seconds:.0f} s.\n"
+                f"{last_lines(self.logs)}",
+                pytrace=False,
+            )
+        shutil.rmtree(self.logs, ignore_errors=True)
+        return subprocess.CompletedProcess(self.command, self.process.returncode, output, "")
+
+
+def launch(script, *arguments, timeout: float = LAUNCH_TIMEOUT, check: bool = True, **options):
+    """
+    [`Launch`] `script` with `arguments` (and its `options`) and [`Launch.finish`] it within `timeout` seconds.
+
+    Returns:
+        `subprocess.CompletedProcess`: its exit status and output (stdout and stderr of every process).
+    """
+    return Launch(script, *arguments, **options).finish(timeout, check)
+
+
+def last_lines(logs: Path, n: int = 30) -> str:
+    """The last `n` lines each process of a launch wrote (stdout and stderr), then the launcher's."""
+    parts = []
+    for stream in sorted(logs.glob("*/attempt_*/*/std*.log")):
+        lines = stream.read_text(errors="replace").splitlines()
+        parts.append(f"--- process {stream.parent.name}, {stream.stem}: last {min(n, len(lines))} lines ---")
+        parts += lines[-n:]
+    lines = (logs / "launcher.log").read_text(errors="replace").splitlines()
+    parts.append(f"--- the launcher: last {min(n, len(lines))} lines ---")
+    return "\n".join(parts + lines[-n:])
 
 
 def recording_trainer(trained: list) -> type:

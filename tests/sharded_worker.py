@@ -83,6 +83,10 @@ def main(
     prompts = Dataset.from_dict(
         {"prompt": [f"What is {i} + 3?" for i in range(6)], "answer": [str(i + 3) for i in range(6)]}
     )
+    # evaluation prompts whose shares differ: the first process's share a prefix, the second's start differently (the
+    # forwards of a sharded model must not depend on that)
+    questions = ["What is 0 + 3?", "What is 1 + 3?", "What is 2 + 3?", "Add 3 to 3.", "Sum of 4 and 3?"]
+    eval_prompts = Dataset.from_dict({"prompt": questions, "answer": ["3", "4", "5", "6", "7"]})
     # activation checkpointing on, as TRL's default runs the loop (under ZeRO-3 it left every round's model alive)
     train_args = make_args(
         output / "loop",
@@ -101,7 +105,7 @@ def main(
         loop_args,
         train_args,
         peft_config=peft_config,
-        eval_prompts=prompts.select(range(5)),  # an odd number: uneven shares on 2 processes
+        eval_prompts=eval_prompts,  # an odd number: uneven shares on 2 processes
         correct_func=correct,
         answer_func=lambda text: text.split()[-1] if text.split() else None,
     )

@@ -1,15 +1,12 @@
 """One update, however its batch is split: micro-batches x accumulation steps x processes give the same weights, and
 logged metrics are the exact values over the batch (weighted by their counts), for the offline and online trainers."""
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_args, standard_dataset
+from conftest import launch, make_args, standard_dataset
 from datasets import Dataset
 from safetensors.torch import load_file
 
@@ -95,28 +92,7 @@ def test_two_processes_update_like_one_batch(tiny_model_path, tmp_path, normaliz
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(tests=str(Path(__file__).parent)))
     output_dir = tmp_path / "ddp"
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        str(script),
-        tiny_model_path,
-        str(output_dir),
-        normalization,
-    ]
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"}
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    launch(script, tiny_model_path, output_dir, normalization)
     distributed = load_file(str(output_dir / "model.safetensors"))
     whole, _ = one_sgd_step(tiny_model_path, tmp_path / "8x1", normalization, 8, 1)
     for name, value in whole.items():

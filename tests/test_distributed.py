@@ -1,14 +1,12 @@
 """`accelerate launch --num_processes 2` on CPU: the behavior precompute and training run across processes."""
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
-from conftest import make_args, standard_dataset
+from conftest import launch, make_args, standard_dataset
 from datasets import Dataset
 
 from trl_topr import TOPRTrainer
@@ -18,13 +16,8 @@ pytestmark = pytest.mark.multiprocess  # each test launches 2 processes (`accele
 
 
 def launch_two_processes(script: Path, *arguments: str, timeout: int = 600) -> None:
-    """Run `script` with `arguments` on 2 CPU processes: `--multi_gpu` selects accelerate's torch.distributed
-    launcher; without a GPU the processes use gloo."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-    command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script), *arguments]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
+    """Run `script` with `arguments` on 2 CPU processes (gloo), within `timeout` seconds."""
+    launch(script, *arguments, timeout=timeout)
 
 
 WORKER = textwrap.dedent(
@@ -90,7 +83,7 @@ LOOP_WORKER = textwrap.dedent(
     from accelerate import PartialState
     from conftest import end_processes, make_args
     from datasets import Dataset
-    from trl_topr import TOPRLoopConfig, TOPRTrainer, run_topr_loop
+    from trl_topr import LoopCallback, TOPRLoopConfig, TOPRTrainer, run_topr_loop
 
     def digest(model):  # weights as this process holds them after training
         h = hashlib.sha256()
@@ -108,14 +101,23 @@ LOOP_WORKER = textwrap.dedent(
     def correct(prompts, completions, answer, **kwargs):
         return [1.0 if a in c[-1]["content"] else -1.0 for c, a in zip(completions, answer)]
 
+    def judged(prompts, completions, answer, **kwargs):  # a judge that scores differently on each call (process)
+        return [r + 0.25 * PartialState().process_index for r in correct(prompts, completions, answer)]
+
+    class Records(LoopCallback):  # what each process holds of each round
+        seen = []
+        def on_round_end(self, metrics):
+            self.seen.append(metrics)
+
     prompts = Dataset.from_dict({{"prompt": [[{{"role": "user", "content": f"What is {{i}} + 3?"}}] for i in range(6)],
                                  "answer": [str(i + 3) for i in range(6)]}})
     last_number = lambda text: (re.findall(r"\\d+", text) or [None])[-1]
-    rounds = run_topr_loop(sys.argv[1], prompts, correct, TOPRLoopConfig(num_generations=2, max_completion_length=6),
+    rounds = run_topr_loop(sys.argv[1], prompts, judged, TOPRLoopConfig(num_generations=2, max_completion_length=6),
                            make_args(sys.argv[2], max_steps=-1, per_device_train_batch_size=2),
-                           eval_prompts=prompts.select(range(3)), correct_func=correct, answer_func=last_number)
+                           eval_prompts=prompts.select(range(3)), correct_func=correct, answer_func=last_number,
+                           callbacks=[Records()])
     with open(f"{{sys.argv[2]}}/rounds-rank{{PartialState().process_index}}.json", "w") as f:
-        json.dump(rounds, f)
+        json.dump({{"rounds": rounds, "seen": Records.seen}}, f)
     end_processes()
     """
 )
@@ -129,9 +131,13 @@ def test_loop_under_two_processes_trains_the_same_weights_everywhere(tiny_model_
     round_dir = output_dir / "round-1"
     digests = [(round_dir / f"weights-rank{r}.txt").read_text() for r in (0, 1)]
     assert digests[0] == digests[1]
-    rounds = [json.loads((output_dir / f"rounds-rank{r}.json").read_text()) for r in (0, 1)]
+    recorded = [json.loads((output_dir / f"rounds-rank{r}.json").read_text()) for r in (0, 1)]
+    rounds = [r["rounds"] for r in recorded]
     assert rounds[0] == rounds[1] and [r["round"] for r in rounds[0]] == [0, 1]
     assert rounds[0][1]["num_samples"] == 12  # 6 prompts x 2 samples, split across the processes and gathered
+    # the rewards are the main process's, on every process: a judge that differs by call (scoring 0.25 higher on the
+    # second process) gives all of them the same rows to curate and train, and the same round metrics
+    assert recorded[0]["seen"] == recorded[1]["seen"] and len(recorded[0]["seen"]) == 2
     assert len((round_dir / "samples.jsonl").read_text().splitlines()) == 12
 
 
@@ -250,3 +256,193 @@ def test_tools_run_once_and_the_loop_replays_trajectories_under_two_processes(to
     assert not (tmp_path / "resets-rank1.txt").exists()
     assert (tmp_path / "environment-calls-rank0.txt").exists()
     assert not (tmp_path / "environment-calls-rank1.txt").exists()
+
+
+LATE_WORKER = textwrap.dedent(
+    """
+    import json, os, sys, time
+    sys.path.insert(0, {tests!r})
+    from accelerate import PartialState
+    from conftest import end_processes, make_args
+    from datasets import Dataset
+    from trl_topr import TOPRLoopConfig, run_topr_loop
+
+    def correct(prompts, completions, answer, **kwargs):
+        return [1.0 if a in c[-1]["content"] else -1.0 for c, a in zip(completions, answer)]
+
+    path, output_dir = sys.argv[1], sys.argv[2]
+    # the process group, with a timeout: where the processes run different collectives, they fail within a minute
+    args = make_args(output_dir, max_steps=-1, per_device_train_batch_size=2, ddp_timeout=60)
+    rank = PartialState().process_index
+    if rank == 1:  # starts late: after the main process wrote round 0's line, where it can (at most 20 s)
+        deadline = time.monotonic() + 20
+        while not os.path.exists(os.path.join(output_dir, "metrics.jsonl")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with open(os.path.join(output_dir + "-late.txt"), "w") as f:
+            f.write(str(os.path.exists(os.path.join(output_dir, "metrics.jsonl"))))
+    prompts = Dataset.from_dict({{"prompt": [[{{"role": "user", "content": f"What is {{i}} + 3?"}}] for i in range(4)],
+                                 "answer": [str(i + 3) for i in range(4)]}})
+    # no evaluation prompts: round 0 runs no collective, and the main process writes its line at once
+    rounds = run_topr_loop(path, prompts, correct, TOPRLoopConfig(num_generations=2, max_completion_length=4), args)
+    with open(f"{{output_dir}}-rounds-rank{{rank}}.json", "w") as f:
+        json.dump(rounds, f)
+    end_processes()
+    """
+)
+
+
+def test_a_process_that_starts_late_runs_the_rounds_the_main_process_runs(tiny_model_path, tmp_path):
+    # The main process may write round 0's line before the other reads which rounds are done: the rounds to run are
+    # read by the main process alone and shared, so a late process still runs round 0 (each process reading the file
+    # on its own, the late one skipped round 0 and every collective after was one off: a hang)
+    script = tmp_path / "late_worker.py"
+    script.write_text(LATE_WORKER.format(tests=str(Path(__file__).parent)))
+    output_dir = tmp_path / "loop"
+    launch(script, tiny_model_path, str(output_dir), timeout=400)
+    rounds = [json.loads((tmp_path / f"loop-rounds-rank{r}.json").read_text()) for r in (0, 1)]
+    assert rounds[0] == rounds[1] and [r["round"] for r in rounds[0]] == [0, 1]
+
+
+PRIMITIVES_WORKER = textwrap.dedent(
+    """
+    import json, sys
+    from accelerate import PartialState
+    from trl_topr.distributed import (ProcessFailedError, ProcessesDivergedError, agree, map_across_processes,
+                                      on_main_process, together)
+
+    state = PartialState(cpu=True)
+    rank, caught = state.process_index, {{}}
+
+    def record(name, call):
+        try:
+            caught[name] = ["returned", call()]
+        except Exception as error:
+            caught[name] = [type(error).__name__, str(error)]
+
+    def fails_on(process):
+        def work(*args):
+            if rank == process:
+                raise ValueError(f"bad input on process {{rank}}")
+            return args[0] if args else "done"
+        return work
+
+    record("main_fails", lambda: on_main_process(fails_on(0), step="writing a file"))
+    record("main_returns", lambda: on_main_process(lambda: {{"rounds": [0, 1]}}, step="reading"))
+    record("main_at_another_step", lambda: on_main_process(lambda: 1, step=f"step {{rank}}"))
+    record("share_fails", lambda: map_across_processes([1, 2, 3], fails_on(1)))
+    record("shares", lambda: map_across_processes([1, 2, 3], lambda share, first: [x * 10 for x in share]))
+    record("diverged", lambda: agree(f"round {{rank + 1}}: start"))
+    def block():
+        with together("a callback"):
+            fails_on(1)()
+    record("together_fails", block)
+    import torch
+    from trl_topr.distributed import check_holds_weights
+    model = torch.nn.Linear(2, 2, device="meta" if rank == 1 else "cpu")  # as FSDP's RAM-efficient loading leaves it
+    record("meta", lambda: check_holds_weights(model))
+    record("agreed", lambda: agree("the end"))
+    with open(f"{{sys.argv[1]}}/caught-rank{{rank}}.json", "w") as f:
+        json.dump(caught, f)
+    state.destroy_process_group()
+    """
+)
+
+
+def test_every_process_stops_where_one_fails_or_they_diverge(tmp_path):
+    script = tmp_path / "primitives.py"
+    script.write_text(PRIMITIVES_WORKER.format())
+    launch(script, str(tmp_path), timeout=120)
+    caught = [json.loads((tmp_path / f"caught-rank{r}.json").read_text()) for r in (0, 1)]
+    # the work on the main process raised: there, its own error; on the other, an error naming it, not a hang
+    assert caught[0]["main_fails"] == ["ValueError", "bad input on process 0"]
+    assert caught[1]["main_fails"][0] == "ProcessFailedError"
+    assert (
+        "Process 0 of 2 failed at 'writing a file' (ValueError: bad input on process 0)" in caught[1]["main_fails"][1]
+    )
+    assert caught[0]["main_returns"] == caught[1]["main_returns"] == ["returned", {"rounds": [0, 1]}]
+    assert caught[0]["main_at_another_step"] == ["returned", 1]  # the main process cannot see the others' steps
+    assert caught[1]["main_at_another_step"][0] == "ProcessesDivergedError"
+    assert "process 0 at 'step 0'; process 1 at 'step 1'" in caught[1]["main_at_another_step"][1]
+    # a share's work raised on process 1: every process stops
+    assert caught[1]["share_fails"] == ["ValueError", "bad input on process 1"]
+    assert caught[0]["share_fails"][0] == "ProcessFailedError" and "Process 1 of 2" in caught[0]["share_fails"][1]
+    assert caught[0]["shares"] == caught[1]["shares"] == ["returned", [10, 20, 30]]
+    # processes at different steps: both raise, each naming both steps
+    for rank in (0, 1):
+        assert caught[rank]["diverged"][0] == "ProcessesDivergedError"
+        assert "process 0 at 'round 1: start'; process 1 at 'round 2: start'" in caught[rank]["diverged"][1]
+    assert caught[1]["together_fails"] == ["ValueError", "bad input on process 1"]
+    assert caught[0]["together_fails"][0] == "ProcessFailedError" and "'a callback'" in caught[0]["together_fails"][1]
+    for rank in (0, 1):  # one process without weights: both raise, before either computes with them
+        assert caught[rank]["meta"][0] == "ValueError" and "Process(es) [1] hold no weights" in caught[rank]["meta"][1]
+    assert caught[0]["agreed"] == caught[1]["agreed"] == ["returned", None]  # and they still go on together
+
+
+STALLED_WORKER = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, {tests!r})
+    from accelerate import PartialState
+    from conftest import make_args
+    from datasets import Dataset
+    from trl_topr import LoopCallback, TOPRLoopConfig, run_topr_loop
+
+    class Stalls(LoopCallback):  # the main process stops answering as round 1 starts (a stuck reward, a dead disk)
+        def on_round_begin(self, round_index):
+            if PartialState().is_main_process:
+                time.sleep(240)
+
+    def correct(prompts, completions, answer, **kwargs):
+        return [1.0 if a in c[-1]["content"] else -1.0 for c, a in zip(completions, answer)]
+
+    args = make_args(sys.argv[2], max_steps=-1, per_device_train_batch_size=2, ddp_timeout=15)
+    prompts = Dataset.from_dict({{"prompt": [[{{"role": "user", "content": f"What is {{i}} + 3?"}}] for i in range(2)],
+                                 "answer": [str(i + 3) for i in range(2)]}})
+    run_topr_loop(sys.argv[1], prompts, correct, TOPRLoopConfig(num_generations=2, max_completion_length=4), args,
+                  callbacks=[Stalls()])
+    """
+)
+
+
+def test_a_stalled_process_becomes_an_error_that_names_its_step_within_ddp_timeout(tiny_model_path, tmp_path):
+    # Without an error from anywhere, the waiting process gives up after the process group's timeout (`ddp_timeout`,
+    # 15 s here) and says where it was; the launcher then stops the stalled one
+    script = tmp_path / "stalled_worker.py"
+    script.write_text(STALLED_WORKER.format(tests=str(Path(__file__).parent)))
+    start = time.monotonic()
+    result = launch(script, tiny_model_path, str(tmp_path / "loop"), timeout=300, check=False)
+    assert result.returncode != 0
+    assert time.monotonic() - start < 200  # start-up, round 0 and 15 s of waiting: well before the stall ends
+    assert "Timed out" in result.stdout  # the collective's own error (gloo), with the step the loop was at
+    assert "process 1 of 2 stopped at 'round 1: start of the loop'" in result.stdout
+
+
+STALLED_TRAINER_WORKER = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, {tests!r})
+    from accelerate import PartialState
+    from conftest import make_args, standard_dataset
+    from transformers import TrainerCallback
+    from trl_topr import TOPRTrainer
+
+    class Stalls(TrainerCallback):  # the main process stops answering before its second step
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 1 and PartialState().is_main_process:
+                time.sleep(240)
+
+    args = make_args(sys.argv[2], max_steps=3, per_device_train_batch_size=2, ddp_timeout=15)
+    trainer = TOPRTrainer(sys.argv[1], args=args, train_dataset=standard_dataset(8), callbacks=[Stalls()])
+    trainer.train()
+    """
+)
+
+
+def test_a_stalled_process_stops_the_trainer_with_the_step_named_within_ddp_timeout(tiny_model_path, tmp_path):
+    script = tmp_path / "stalled_trainer.py"
+    script.write_text(STALLED_TRAINER_WORKER.format(tests=str(Path(__file__).parent)))
+    start = time.monotonic()
+    result = launch(script, tiny_model_path, str(tmp_path / "out"), timeout=300, check=False)
+    assert result.returncode != 0 and time.monotonic() - start < 200  # well before the stall ends
+    assert "Timed out" in result.stdout
+    assert "process 1 of 2 stopped at 'training step 2 of 3'" in result.stdout

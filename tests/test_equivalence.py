@@ -31,9 +31,6 @@ identical, as both compute the same batches of 4). Two runs in one process are c
 """
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -42,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # for `conftest` when this file 
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from conftest import end_processes, make_args, standard_dataset  # noqa: E402
+from conftest import Launch, end_processes, make_args, standard_dataset  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
@@ -151,39 +148,11 @@ def _worker(model_path: str, output_dir: str) -> None:
 def runs(tiny_model_path, tmp_path_factory):
     """Each config trained on 1 process (here) and on 2 (`accelerate launch`, gloo on CPU)."""
     folder = tmp_path_factory.mktemp("equivalence")
-    # `--multi_gpu` selects accelerate's torch.distributed launcher; without a GPU the processes use gloo on CPU.
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        __file__,
-        tiny_model_path,
-        str(folder / "multi"),
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    launch = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
-    )  # its own process group: a timeout ends the workers with it
-    try:
-        # The single-process runs use this process's cores while the launched processes start up.
-        single = {
-            config: train(tiny_model_path, folder / f"single-{config}", config, GLOBAL_BATCH) for config in CONFIGS
-        }
-        _, stderr = launch.communicate(timeout=300)
-    finally:
-        if launch.poll() is None:
-            os.killpg(launch.pid, signal.SIGKILL)
-            launch.communicate()
-    assert launch.returncode == 0, stderr[-3000:]
+    # accelerate's torch.distributed launcher: without a GPU the processes use gloo on CPU
+    launched = Launch(__file__, tiny_model_path, folder / "multi", env={"TOKENIZERS_PARALLELISM": "false"})
+    # The single-process runs use this process's cores while the launched processes start up.
+    single = {config: train(tiny_model_path, folder / f"single-{config}", config, GLOBAL_BATCH) for config in CONFIGS}
+    launched.finish(timeout=300)
     multi = {
         config: [
             (

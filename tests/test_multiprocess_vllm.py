@@ -10,10 +10,9 @@ machine's memory for the two processes (before the loop freed each round's engin
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+from conftest import launch
 from test_vllm import check_round_two_sampled_from_round_one, smollm2, vllm_installed  # noqa: F401 (fixtures)
 
 
@@ -28,22 +27,17 @@ def launch_two_processes(parts: str, engine: str, model_path: str, folder) -> li
     output_dir = folder / "out"
     output_dir.mkdir()
     worker = os.path.join(os.path.dirname(__file__), "vllm_worker.py")
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(accelerate_config(engine, folder)),
+    tests = os.path.dirname(__file__)
+    launch(
         worker,
         parts,
         engine,
-        os.path.dirname(__file__),
+        tests,
         model_path,
-        str(output_dir),
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=1200, env=env)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
+        output_dir,
+        config_file=accelerate_config(engine, folder),
+        timeout=1200,
+    )
     return [json.loads((output_dir / f"result-rank{rank}.json").read_text()) for rank in (0, 1)]
 
 

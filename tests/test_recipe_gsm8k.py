@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from conftest import launch
 from trl import ModelConfig
 
 from trl_topr import TOPRConfig, TOPRLoopConfig
@@ -215,27 +216,7 @@ RECIPE_WORKER = textwrap.dedent(
 def test_recipe_under_accelerate_launch_with_two_processes(tiny_model_path, tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(RECIPE_WORKER.format(recipes=str(RECIPES), tests=str(Path(__file__).parent)))
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        str(script),
-        tiny_model_path,
-        str(tmp_path / "out"),
-    ]
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"}
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = launch(script, tiny_model_path, tmp_path / "out")
     digests = [(tmp_path / "out" / "round-1" / f"weights-rank{r}.txt").read_text() for r in (0, 1)]
     assert digests[0] == digests[1]
     assert "round 0 = before training" in result.stdout

@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import launch
 from test_recipe_gsm8k import GSM8K, RECIPES, gsm8k
 from test_rewards import plus_one, read_gsm8k, reasoning
 
@@ -231,24 +232,7 @@ def test_recipe_under_accelerate_launch_with_two_processes(engine, tiny_model_pa
 
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(recipes=str(RECIPES), tests=str(Path(__file__).parent)))
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(accelerate_config(engine, tmp_path)),
-        str(script),
-        tiny_model_path,
-        str(tmp_path / "out"),
-    ]
-    result = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu"},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = launch(script, tiny_model_path, tmp_path / "out", config_file=accelerate_config(engine, tmp_path))
     votes = [json.loads((tmp_path / "out" / f"votes-rank{rank}.json").read_text()) for rank in (0, 1)]
     assert votes[0] == votes[1]  # both processes hold every solution and every score
     assert result.stdout.count("Verifier on the test solutions") == 1  # the main process reports

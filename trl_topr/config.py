@@ -1,6 +1,9 @@
 import math
 from dataclasses import dataclass, field
+from datetime import timedelta
+from functools import cached_property
 
+import torch
 from trl import SFTConfig
 
 from .compat import CHECKPOINTING
@@ -196,6 +199,18 @@ class TOPRArguments:
         apply_training_defaults(self)  # before TRL's configuration validates the arguments
         super().__post_init__()
         check_topr_options(self)
+
+    @cached_property
+    def _setup_devices(self) -> torch.device:
+        # transformers' device set-up, with the process group's timeout (`ddp_timeout`) on the CPU too: transformers
+        # gives it to the process group on accelerators only, and a collective that a process never reaches would wait
+        # 30 minutes on gloo
+        device = super()._setup_devices
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            from torch.distributed.distributed_c10d import _set_pg_timeout
+
+            _set_pg_timeout(timedelta(seconds=self.ddp_timeout))
+        return device
 
     def loss_options(self) -> dict:
         """The options of [`topr_loss`] (all but the baseline): what every trainer passes it."""

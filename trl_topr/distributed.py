@@ -18,6 +18,7 @@ freed to the system.
 import contextlib
 import ctypes
 import hashlib
+import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,6 +52,36 @@ def is_meta_model(model: torch.nn.Module) -> bool:
     return any(p.device.type == "meta" for p in model.parameters())
 
 
+_NO_WEIGHTS = (
+    "{which} no weights (parameters on the `meta` device): FSDP's CPU-RAM-efficient loading loads them on the first "
+    "process only, until training starts, and trl-topr samples and computes behavior log-probs before that. Set "
+    "`fsdp_cpu_ram_efficient_loading: false` in the Accelerate configuration (or the environment variable "
+    "FSDP_CPU_RAM_EFFICIENT_LOADING=false)."
+)
+
+
+def check_holds_weights(model: torch.nn.Module) -> None:
+    """
+    Check that every process holds the weights of `model` (none of its parameters on the `meta` device): where one
+    does not, all of them raise. Every process must call it (it gathers).
+
+    Args:
+        model (`torch.nn.Module`):
+            The model (unwrapped).
+
+    Raises:
+        `ValueError`:
+            Naming the setting that leaves processes without weights (FSDP's CPU-RAM-efficient loading).
+    """
+    meta = is_meta_model(model)
+    if PartialState().num_processes > 1:  # a collective: every process learns which ones hold no weights
+        meta = [i for i, held in enumerate(gather_object([meta])) if held]
+    if meta:
+        raise ValueError(
+            _NO_WEIGHTS.format(which=f"Process(es) {meta} hold" if meta is not True else "The model holds")
+        )
+
+
 @contextlib.contextmanager
 def full_weights(model: torch.nn.Module, engine=None):
     """
@@ -71,20 +102,16 @@ def full_weights(model: torch.nn.Module, engine=None):
     Raises:
         `ValueError`:
             When this process holds no weights at all (parameters on the `meta` device, as FSDP's CPU-RAM-efficient
-            loading leaves them on every process but the first until training starts).
+            loading leaves them on every process but the first until training starts); [`check_holds_weights`]
+            raises it on every process.
     """
     if is_meta_model(model):
-        raise ValueError(
-            "This process holds no weights (its parameters are on the `meta` device): FSDP's CPU-RAM-efficient "
-            "loading loads them on the first process only, until training starts, and trl-topr samples and computes "
-            "behavior log-probs before that. Set `fsdp_cpu_ram_efficient_loading: false` in the Accelerate "
-            "configuration (or the environment variable FSDP_CPU_RAM_EFFICIENT_LOADING=false)."
-        )
+        raise ValueError(_NO_WEIGHTS.format(which="This process holds"))
     partitioned = _partitioned(model)
     if not partitioned:
         yield model
         return
-    hooked = any(hasattr(module, "ds_grads_remaining") for module in model.modules())  # registered by an engine
+    hooked = _hooked_by_an_engine(model)
     if hooked and engine is None:
         yield model  # the engine's hooks gather each layer's weights in its forward
         return
@@ -101,6 +128,29 @@ def full_weights(model: torch.nn.Module, engine=None):
                 add_hooks(engine)
 
 
+def forward_is_collective(model: torch.nn.Module) -> bool:
+    """
+    Whether a forward of `model`, as its weights are held now, calls collectives: FSDP2's sharded parameters, which
+    each forward all-gathers layer by layer, DeepSpeed ZeRO-3's partitioned ones that its hooks gather, or a model a
+    ZeRO-3 training engine has hooked (its hook at the start of each forward checks the processes' steps with a
+    broadcast, also with the weights gathered). Every process must then run as many forwards, whatever its own data.
+
+    Args:
+        model (`torch.nn.Module`):
+            The model (unwrapped), e.g. within [`full_weights`].
+
+    Returns:
+        `bool`: whether its forward is a collective.
+    """
+    sharded = any(isinstance(p, DTensor) for p in model.parameters()) or bool(_partitioned(model))
+    return sharded or _hooked_by_an_engine(model)
+
+
+def _hooked_by_an_engine(model: torch.nn.Module) -> bool:
+    # DeepSpeed ZeRO-3's engine sets this on every module it hooks
+    return any(hasattr(module, "ds_grads_remaining") for module in model.modules())
+
+
 def weights_fingerprint(model: torch.nn.Module) -> str:
     """
     A hash of the whole weights of `model` (parameters and buffers, with their names and dtypes), the same under one
@@ -114,6 +164,7 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     Returns:
         `str`: the hex digest.
     """
+    check_holds_weights(model)
     partitioned = {id(p) for p in _partitioned(model)}
     digest = hashlib.sha256()
     tensors = sorted([*model.named_parameters(), *model.named_buffers()], key=lambda item: item[0])
@@ -185,6 +236,139 @@ def check_saves_whole_weights(trainer) -> None:
         )
 
 
+class ProcessesDivergedError(RuntimeError):
+    """
+    The processes of one run reached different steps, where each of them must run the same collectives in the same
+    order: the message names each process's step. Raised on every process that sees it, at once, instead of a hang.
+    """
+
+
+class ProcessFailedError(RuntimeError):
+    """
+    Another process failed at a step every process shares: raised on the processes that did not fail, naming the one
+    that did and its error, so that all of them stop there instead of waiting for it in a collective.
+    """
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def _stop_unless_agreed(reached: dict[int, tuple[str | None, str | None]]) -> None:
+    # Each process's (step, error or None) at a point all of them share: the same verdict wherever it is read
+    state = PartialState()
+    if len({step for step, _ in reached.values()}) > 1:
+        named = "; ".join(f"process {i} at {step!r}" for i, (step, _) in sorted(reached.items()))
+        raise ProcessesDivergedError(
+            f"The processes are at different steps ({named}): every process must run the same collectives in the "
+            "same order. This is a bug (a decision made by each process on its own): please report it."
+        )
+    failed = [(i, step, error) for i, (step, error) in sorted(reached.items()) if error is not None]
+    if failed:
+        i, step, error = failed[0]
+        raise ProcessFailedError(
+            f"Process {i} of {state.num_processes} failed at {step!r} ({error}): process {state.process_index} "
+            "stops with it."
+        )
+
+
+def agree(step: str, error: BaseException | None = None) -> None:
+    """
+    A point every process reaches at the same `step`: each process waits for the others there (a barrier), then all
+    of them raise [`ProcessesDivergedError`] if they reached different steps, and all of them stop if any failed just
+    before it (`error`: that process raises it, the others [`ProcessFailedError`]). One process: raises `error`, if
+    any.
+
+    Args:
+        step (`str`):
+            What every process is about to do, or has just done (e.g. `"round 2: start"`).
+        error (`BaseException`, *optional*):
+            What this process raised on its way here, to stop every process with it.
+
+    Raises:
+        [`ProcessesDivergedError`], [`ProcessFailedError`], or `error`.
+    """
+    state = PartialState()
+    if state.num_processes == 1:
+        if error is not None:
+            raise error
+        return
+    reached = dict(enumerate(gather_object([(step, None if error is None else _describe(error))])))
+    if error is not None and len({s for s, _ in reached.values()}) == 1:
+        raise error
+    try:
+        _stop_unless_agreed(reached)
+    except ProcessesDivergedError as diverged:
+        raise diverged from error
+
+
+@contextlib.contextmanager
+def together(step: str):
+    """
+    Context for work that every process does on its own at `step` (reading or writing a file, a callback), and after
+    which all of them go on together, or all of them stop: it ends with [`agree`], so an exception raised in the
+    block on one process is raised on every process (as [`ProcessFailedError`] on the others) instead of leaving them
+    waiting in their next collective. The block must not itself call a collective.
+
+    Args:
+        step (`str`):
+            The step's name, shown in errors.
+
+    Example:
+    ```python
+    >>> from trl_topr.distributed import together
+
+    >>> with together("writing the samples"):
+    ...     pass  # e.g. on the main process only: write a file that every process reads after the block
+
+    ```
+    """
+    error = None
+    try:
+        yield
+    except Exception as caught:
+        error = caught
+    agree(step, error)
+
+
+@contextlib.contextmanager
+def naming_the_step(where: Callable[[], str]):
+    """
+    Context in which an exception, under several processes, gains a note naming this process and the step it was at
+    (`where()`, read when it is raised): where a collective times out (after the process group's timeout,
+    `ddp_timeout`), the processes' errors together say where each one was.
+
+    Args:
+        where (`Callable[[], str]`):
+            Gives the current step, e.g. `lambda: f"training step {trainer.state.global_step + 1}"`.
+    """
+    try:
+        yield
+    except Exception as error:
+        state = PartialState()
+        if state.num_processes > 1:
+            error.add_note(
+                f"trl-topr: process {state.process_index} of {state.num_processes} stopped at {where()!r}. A "
+                "collective that timed out (after `ddp_timeout` seconds) means another process did not reach it: "
+                "its own error or log says where it was."
+            )
+        raise
+
+
+class NamesTheStep:
+    """
+    A trainer's mixin (ahead of the TRL trainer in its bases): an exception raised in `train` under several processes
+    names the training step this process was at ([`naming_the_step`]).
+    """
+
+    def train(self, *args, **kwargs):
+        def where() -> str:
+            return f"training step {self.state.global_step + 1} of {self.state.max_steps}"
+
+        with naming_the_step(where):
+            return super().train(*args, **kwargs)
+
+
 def map_across_processes(items: Sequence, work: Callable[[list, int], list]) -> list:
     """
     Run `work` over `items` split across the processes (`accelerate launch`), and give every process all the results,
@@ -194,7 +378,8 @@ def map_across_processes(items: Sequence, work: Callable[[list, int], list]) -> 
     Each process gets an equal contiguous share, the last shares padded with copies of the last item (their results
     are dropped after gathering): under FSDP2 and ZeRO-3 every forward is a collective, so every process must run as
     many batches. (accelerate's `split_between_processes` with `apply_padding` pads each short share in place, which
-    leaves the copies mid-list after gathering, and fails for a process that gets no item at all.)
+    leaves the copies mid-list after gathering, and fails for a process that gets no item at all.) Where `work` raises
+    on one process, every process raises (the others [`ProcessFailedError`]) once the results are gathered.
 
     Args:
         items (`Sequence`):
@@ -222,20 +407,33 @@ def map_across_processes(items: Sequence, work: Callable[[list, int], list]) -> 
     padded = items + items[-1:] * (-len(items) % state.num_processes)
     size = len(padded) // state.num_processes
     first = state.process_index * size
-    results = list(work(padded[first : first + size], first))
-    if len(results) != size:
-        raise ValueError(f"`work` returned {len(results)} results for {size} items.")
-    return gather_object(results)[: len(items)]
+    results, error = [], None
+    try:
+        results = list(work(padded[first : first + size], first))
+        if len(results) != size:
+            raise ValueError(f"`work` returned {len(results)} results for {size} items.")
+    except Exception as caught:
+        error = caught
+    gathered = gather_object([(None if error is None else _describe(error), results)])
+    if error is not None:
+        raise error
+    _stop_unless_agreed({i: ("work split across the processes", e) for i, (e, _) in enumerate(gathered)})
+    return [result for _, share in gathered for result in share][: len(items)]
 
 
-def on_main_process(work: Callable[[], Any]) -> Any:
+def on_main_process(work: Callable[[], Any], step: str | None = None) -> Any:
     """
     Run `work` once, on the main process, and give every process its result: for what must happen once whatever the
-    number of processes (a tool call, an environment's step), so that every process goes on from the same outcome.
+    number of processes (a tool call, an environment's step, writing a file), so that every process goes on from the
+    same outcome. The other processes wait for it; where `work` raises, it raises on the main process and
+    [`ProcessFailedError`] on the others, instead of leaving them waiting.
 
     Args:
         work (`Callable[[], Any]`):
             Called with no argument on the main process only; its result must be picklable.
+        step (`str`, *optional*):
+            The step's name, shown in errors; where given, every process must be at the same step, or all but the
+            main one raise [`ProcessesDivergedError`].
 
     Returns:
         `Any`: the result, the same on every process.
@@ -249,12 +447,23 @@ def on_main_process(work: Callable[[], Any]) -> Any:
 
     ```
     """
-    state, results = PartialState(), [None]
+    state = PartialState()
+    if state.num_processes == 1:
+        return work()
+    outcome, result = [None], None
     if state.is_main_process:
-        results = [work()]
-    if state.num_processes > 1:
-        broadcast_object_list(results, from_process=0)
-    return results[0]
+        try:
+            result = work()
+            outcome = [(step, None, pickle.dumps(result))]  # pickled here: a failure to is the work's, and shared
+        except Exception as error:
+            broadcast_object_list([(step, _describe(error), None)], from_process=0)
+            raise
+    broadcast_object_list(outcome, from_process=0)
+    main_step, error, data = outcome[0]
+    if state.is_main_process:
+        return result
+    _stop_unless_agreed({0: (main_step, error), state.process_index: (step, None)})
+    return pickle.loads(data)
 
 
 def release_trainer(trainer) -> None:

@@ -15,7 +15,7 @@ from trl.trainer.utils import add_fused_lm_head
 
 from .compat import CHECKPOINTING
 from .data import PaddingFreeCollator
-from .distributed import full_weights, is_meta_model, map_across_processes
+from .distributed import check_holds_weights, full_weights, is_meta_model, map_across_processes
 from .precision import autocast as inference_autocast
 from .precision import training_autocast
 from .tokens import padding_id
@@ -293,6 +293,7 @@ def behavior_logps(
     Returns:
         `list[list[float]]`: one value per completion token of each row, in order.
     """
+    check_holds_weights(model)  # on every process, or none: each runs the same collectives below
     buckets = compiles_per_length(model)
     collator = PaddingFreeCollator(settings.pad_token_id, padding_free=settings.padding_free, length_buckets=buckets)
     with_fused_lm_head(model)

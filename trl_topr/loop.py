@@ -25,7 +25,15 @@ from trl.trainer.utils import create_model_from_path
 from .baseline import effective_positive_fraction
 from .config import TOPRConfig
 from .data import REWARD
-from .distributed import check_saves_whole_weights, give_back_freed_memory, release_trainer, unsharded_loading
+from .distributed import (
+    check_saves_whole_weights,
+    give_back_freed_memory,
+    naming_the_step,
+    on_main_process,
+    release_trainer,
+    together,
+    unsharded_loading,
+)
 from .environments import EnvironmentFactory
 from .generation import GenerationEngine
 from .loop_config import TOPRLoopConfig
@@ -124,7 +132,8 @@ class LoopCallback:
     """
     Hooks into the rounds of [`run_topr_loop`], as `TrainerCallback` hooks into a trainer's steps: subclass it,
     override the events you need and pass instances as `callbacks`. Every process calls them. An exception raised in
-    one stops the loop there (the rounds recorded so far stay: the loop resumes from them).
+    one, on any process, stops the loop there on every process (the rounds recorded so far stay: the loop resumes from
+    them).
     """
 
     def on_round_begin(self, round_index: int) -> None:
@@ -263,7 +272,7 @@ def run_topr_loop(
     log = _RoundLog(train_args.output_dir, callbacks or [])
     log.check_resumable(loop_args.num_rounds, loop_args.replay_rounds)  # before anything is written
     evaluate = _Evaluation(sampler, eval_prompts, correct_func, answer_func, loop_args, train_args.seed, log)
-    with sampler:  # closes the engine it started
+    with sampler, log.naming_steps():  # closes the engine it started; an error names the step it stopped
         if not log.rounds:
             policy = models.load(model)
             log.record({"round": 0, **evaluate(0, model, policy)})
@@ -297,7 +306,7 @@ def run_topr_loop(
             del trainer, policy
             clear_device_cache(garbage_collection=True)  # now, not later: a model sits in reference cycles
             give_back_freed_memory()  # or the allocator's reserve of it grows round after round
-    return read_rounds(str(log.output_dir))
+    return on_main_process(lambda: read_rounds(str(log.output_dir)), step="reading metrics.jsonl back")
 
 
 class _Evaluation:
@@ -450,16 +459,17 @@ class _RoundModels:
         return create_model_from_path(path, **self.init_kwargs)
 
     def save(self, trainer: TOPRTrainer, previous: str, round_dir: Path) -> None:
-        state = PartialState()
         trainer.save_model(str(round_dir if self.peft_config is None else round_dir / "adapter"))
-        if self.peft_config is not None and state.is_main_process:  # merge the adapter into an unquantized copy
-            with unsharded_loading():  # of the round's starting model, on this process alone, whole under ZeRO-3
-                base = create_model_from_path(previous, **(self.args.model_init_kwargs or {}))
-            merged = PeftModel.from_pretrained(base, str(round_dir / "adapter")).merge_and_unload()
-            merged.save_pretrained(str(round_dir))
-            self.processing_class.save_pretrained(str(round_dir))
-            shutil.copy(round_dir / "adapter" / "README.md", round_dir / "README.md")
-        state.wait_for_everyone()  # the main process writes the folder; every process's engine reloads from it
+        # With LoRA, the main process merges the adapter into an unquantized copy of the round's starting model, loaded
+        # on this process alone (whole under ZeRO-3); every process's engine reloads the folder after
+        with together(f"{round_dir.name}: saving the model"):
+            if self.peft_config is not None and PartialState().is_main_process:
+                with unsharded_loading():
+                    base = create_model_from_path(previous, **(self.args.model_init_kwargs or {}))
+                merged = PeftModel.from_pretrained(base, str(round_dir / "adapter")).merge_and_unload()
+                merged.save_pretrained(str(round_dir))
+                self.processing_class.save_pretrained(str(round_dir))
+                shutil.copy(round_dir / "adapter" / "README.md", round_dir / "README.md")
 
 
 def _round_trainer(policy, train_data: Dataset, args: TOPRConfig, round_dir: Path, processing_class, peft_config):
@@ -533,17 +543,26 @@ def _tool_frequencies(samples: Dataset) -> dict[str, float]:
 
 class _RoundLog:
     # The loop's folder: the completed rounds (`metrics.jsonl`, replaced whole at each round, and its plot), and each
-    # round's folder, its samples and training logs. The main process writes; every process keeps the rounds and
+    # round's folder, its samples and training logs. What decides the rounds to run is read once, by the main process,
+    # and shared; the main process writes, and every process goes on from each write together (`together`: all of
+    # them stop where one fails, and an error if they are not at the same step). Every process keeps the rounds and
     # calls the callbacks.
     def __init__(self, output_dir: str, callbacks: list[LoopCallback]):
         self.output_dir, self.state, self.callbacks = Path(output_dir), PartialState(), callbacks
         if self.output_dir.exists() and not self.output_dir.is_dir():
             raise NotADirectoryError(f"`output_dir` {self.output_dir} is a file: the loop needs a folder.")
-        self.rounds = read_rounds(str(self.output_dir))  # the completed rounds: the loop resumes after the last
+        # the completed rounds, as the main process read them before anything was written: the loop resumes after
+        # the last
+        self.rounds = on_main_process(lambda: read_rounds(str(self.output_dir)), step="reading metrics.jsonl")
+        self.step = f"resuming after round {self.rounds[-1]['round']}" if self.rounds else "round 0: evaluation"
+
+    def naming_steps(self):
+        # An error of any process names the step it was at (under several processes: the others' say theirs)
+        return naming_the_step(lambda: f"{self.step} of the loop")
 
     def check_resumable(self, num_rounds: int, replay_rounds: int) -> None:
         # What the folder holds agrees with the call: no more rounds than asked for, and the rows of every completed
-        # round that the next rounds replay readable and whole
+        # round that the next rounds replay readable and whole (read by the main process, every process raising)
         done = self.rounds[-1]["round"] if self.rounds else None
         if done is not None and done > num_rounds:
             raise ValueError(
@@ -552,59 +571,78 @@ class _RoundLog:
                 "to go on (or = to read it back), or use a new `output_dir`."
             )
         if done is not None and done < num_rounds and replay_rounds:
-            for earlier in replayed_rounds(done + 1, replay_rounds):
-                read_train_rows(self.output_dir, earlier, self.recorded_rows().get(earlier))
+
+            def check() -> None:
+                for earlier in replayed_rounds(done + 1, replay_rounds):
+                    read_train_rows(self.output_dir, earlier, self.recorded_rows().get(earlier))
+
+            on_main_process(check, step="checking the rows to replay")
 
     def recorded_rows(self) -> dict[int, int]:
         # the rows each completed round saved to its train.jsonl (rounds recorded before this count was kept: none)
         return {r["round"]: r["num_new_train_rows"] for r in self.rounds if "num_new_train_rows" in r}
 
+    def _together(self, step: str):
+        # `together` at `step`, the step an error names until the next
+        self.step = step
+        return together(step)
+
     def start_round(self, round_index: int) -> Path:
-        for callback in self.callbacks:
-            callback.on_round_begin(round_index)
         round_dir = self.output_dir / f"round-{round_index}"
-        if self.state.is_main_process:
-            shutil.rmtree(round_dir, ignore_errors=True)  # an interrupted attempt is redone from its start
-            round_dir.mkdir(parents=True)
-        self.state.wait_for_everyone()
+        with self._together(f"round {round_index}: start"):  # the processes agree on the round they start
+            for callback in self.callbacks:
+                callback.on_round_begin(round_index)
+            if self.state.is_main_process:
+                shutil.rmtree(round_dir, ignore_errors=True)  # an interrupted attempt is redone from its start
+                round_dir.mkdir(parents=True)
+        self.step = f"round {round_index}: sampling"
         return round_dir
 
     def trainer_created(self, round_index: int, trainer: TOPRTrainer) -> None:
-        for callback in self.callbacks:
-            callback.on_trainer_created(round_index, trainer)
+        with self._together(f"round {round_index}: on_trainer_created"):
+            for callback in self.callbacks:
+                callback.on_trainer_created(round_index, trainer)
+        self.step = f"round {round_index}: training"
 
     def save_samples(self, samples: Dataset, round_dir: Path) -> None:
-        if self.state.is_main_process:
-            samples.to_json(str(round_dir / "samples.jsonl"))
+        with self._together(f"{round_dir.name}: saving samples.jsonl"):
+            if self.state.is_main_process:
+                samples.to_json(str(round_dir / "samples.jsonl"))
+        self.step = f"{round_dir.name}: curating and replaying"
 
     def save_train_rows(self, rows: Dataset, round_dir: Path) -> None:
-        if self.state.is_main_process:  # what later rounds replay: written whole or not at all
-            partial = round_dir / f"{TRAIN_ROWS_FILE}.partial"
-            rows.to_json(str(partial))
-            os.replace(partial, round_dir / TRAIN_ROWS_FILE)
-        self.state.wait_for_everyone()  # every process reads it back
+        with self._together(f"{round_dir.name}: saving {TRAIN_ROWS_FILE}"):  # every process reads it back after
+            if self.state.is_main_process:  # what later rounds replay: written whole or not at all
+                partial = round_dir / f"{TRAIN_ROWS_FILE}.partial"
+                rows.to_json(str(partial))
+                os.replace(partial, round_dir / TRAIN_ROWS_FILE)
 
     def save_evaluation(self, per_prompt: list[dict[str, int]], round_index: int, name: str) -> None:
-        if self.state.is_main_process:  # each held-out prompt's outcome, in its dataset's order
-            round_dir = self.output_dir / f"round-{round_index}"
-            round_dir.mkdir(parents=True, exist_ok=True)
-            lines = "".join(json.dumps(row) + "\n" for row in per_prompt)
-            (round_dir / f"{EVALUATION_FILE}{'-' + name if name else ''}.jsonl").write_text(lines)
+        file = f"{EVALUATION_FILE}{'-' + name if name else ''}.jsonl"
+        with self._together(f"round {round_index}: saving {file}"):
+            if self.state.is_main_process:  # each held-out prompt's outcome, in its dataset's order
+                round_dir = self.output_dir / f"round-{round_index}"
+                round_dir.mkdir(parents=True, exist_ok=True)
+                (round_dir / file).write_text("".join(json.dumps(row) + "\n" for row in per_prompt))
 
     def save_trainer_state(self, trainer: TOPRTrainer, round_dir: Path) -> None:
-        if self.state.is_main_process:  # the round's training logs (TOPR's metrics per step), as in a checkpoint
-            trainer.state.save_to_json(str(round_dir / "trainer_state.json"))
+        with self._together(f"{round_dir.name}: saving trainer_state.json"):
+            if self.state.is_main_process:  # the round's training logs (TOPR's metrics per step), as in a checkpoint
+                trainer.state.save_to_json(str(round_dir / "trainer_state.json"))
+        self.step = f"{round_dir.name}: saving and evaluating the model"
 
     def record(self, metrics: dict[str, Any]) -> None:
         self.rounds.append(metrics)
-        if self.state.is_main_process:  # the line marks the round as completed: the file is replaced whole, never cut
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            partial = self.output_dir / f"{METRICS_FILE}.partial"
-            partial.write_text("".join(json.dumps(r) + "\n" for r in self.rounds))
-            os.replace(partial, self.output_dir / METRICS_FILE)
-            plot_rounds(self.rounds, str(self.output_dir / "metrics.png"))
-        self.state.wait_for_everyone()
+        with self._together(f"round {metrics['round']}: recording it in {METRICS_FILE}"):
+            if self.state.is_main_process:  # the line marks the round as completed: the file is replaced whole
+                self.output_dir.mkdir(parents=True, exist_ok=True)
+                partial = self.output_dir / f"{METRICS_FILE}.partial"
+                partial.write_text("".join(json.dumps(r) + "\n" for r in self.rounds))
+                os.replace(partial, self.output_dir / METRICS_FILE)
+                plot_rounds(self.rounds, str(self.output_dir / "metrics.png"))
         shown = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
         logger.info(f"Round {metrics['round']} done: {shown}")
-        for callback in self.callbacks:
-            callback.on_round_end(metrics)
+        with self._together(f"round {metrics['round']}: on_round_end"):
+            for callback in self.callbacks:
+                callback.on_round_end(metrics)
+        self.step = f"after round {metrics['round']}"

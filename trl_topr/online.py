@@ -12,6 +12,7 @@ from trl.trainer.utils import get_config_model_id
 
 from .baseline import baseline_for_positive_fraction
 from .config import TOPRArguments, TOPRConfig
+from .distributed import NamesTheStep
 from .generation.vllm_engine import TOPRVLLMGeneration
 from .loss import topr_loss
 from .trainer import TOPRTrainer, record_metrics, with_logged_metrics
@@ -91,7 +92,7 @@ def _replaced(module, name: str, value):
         setattr(module, name, original)
 
 
-class TOPRGRPOTrainer(GRPOTrainer):
+class TOPRGRPOTrainer(NamesTheStep, GRPOTrainer):
     r"""
     Online Tapered Off-Policy REINFORCE: [`~trl.GRPOTrainer`] with the TOPR loss, from [Tapered Off-Policy REINFORCE:
     Stable and efficient reinforcement learning for LLMs](https://huggingface.co/papers/2503.14286).

@@ -114,7 +114,8 @@ def cpu_bf16_speedup() -> float:
     """
     [`measure_cpu_bf16_speedup`] for this CPU, measured once per CPU model, torch version and kernel set, and cached
     on disk ([`speedup_cache_path`]). The processes of one machine (`accelerate launch`) take turns on the cache file,
-    so one measures and all read the same value, and so choose the same precision.
+    so one measures and all read the same value, and so choose the same precision; where the cache cannot be used,
+    several processes take 1.0 (float32) rather than each measure its own.
 
     Returns:
         `float`: bf16 matmul throughput over float32's on this CPU.
@@ -139,8 +140,12 @@ def cpu_bf16_speedup() -> float:
                 os.replace(partial, path)
         _speedups[key] = cached[key]
     except OSError as error:  # a read-only home: measured by this process, for this process
-        logger.warning(f"Could not use {path} ({error}): measuring bf16 against float32 in this process only.")
-        _speedups[key] = measure_cpu_bf16_speedup()
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each process would measure, and may choose, on its own
+            logger.warning(f"Could not use {path} ({error}): float32, as every process of this run chooses alike.")
+            _speedups[key] = 1.0
+        else:
+            logger.warning(f"Could not use {path} ({error}): measuring bf16 against float32 in this process only.")
+            _speedups[key] = measure_cpu_bf16_speedup()
     return _speedups[key]
 
 

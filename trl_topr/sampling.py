@@ -251,8 +251,9 @@ def weighted_rewards(
             per_func[name] = [math.nan if v is None else float(v) for v in values]
         return per_func
 
-    # environments' state is on the main process, which took their steps: score there, once
-    per_func = on_main_process(each_function) if ENVIRONMENTS in columns else each_function()
+    # scored once, on the main process, and shared: every process then curates and trains the same rows whatever the
+    # reward functions do (a judge that answers differently, a timeout on one process); environments' state is there
+    per_func = on_main_process(each_function, step="scoring the completions")
     rewards = []
     for row in range(len(completions)):
         terms = [w * per_func[name][row] for name, w in zip(funcs, weights) if not math.isnan(per_func[name][row])]

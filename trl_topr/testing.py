@@ -6,6 +6,8 @@ accelerate's fall-back to DDP on CPU). What the tests and the benchmarks build o
 """
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import torch
@@ -205,3 +207,46 @@ def reapply_fsdp_plugin() -> None:
             self.fsdp_plugin = fsdp_plugin
 
     AcceleratorState.__init__ = init
+
+
+def descendants(pid: int) -> list[int]:
+    """
+    Every process `pid` started, and theirs, in sessions of their own too (torchrun's workers are): read from
+    `/proc` (Linux; elsewhere none).
+
+    Args:
+        pid (`int`):
+            A process.
+
+    Returns:
+        `list[int]`: their process ids.
+    """
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, pending = [], [pid]
+    while pending:
+        for child in children.get(pending.pop(), []):
+            found.append(child)
+            pending.append(child)
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """
+    Kill the process `pid` and every process it started ([`descendants`]), as a launch past its time limit must be:
+    ending `accelerate launch` alone leaves its workers running.
+
+    Args:
+        pid (`int`):
+            The process.
+    """
+    for process in [*descendants(pid), pid]:
+        try:
+            os.kill(process, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

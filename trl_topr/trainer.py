@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 from accelerate.logging import get_logger
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import broadcast_object_list, gather_object
 from datasets import Dataset, concatenate_datasets, is_caching_enabled
 from datasets.fingerprint import Hasher
 from transformers import (
@@ -36,7 +36,7 @@ from .data import (
     check_and_truncate_tokens,
     validate_and_standardize,
 )
-from .distributed import weights_fingerprint
+from .distributed import NamesTheStep, on_main_process, together, weights_fingerprint
 from .logprobs import (
     LogpsSettings,
     behavior_logps,
@@ -67,6 +67,42 @@ def _as_sft_sees_it(args: TOPRConfig):
         yield
     finally:
         args.loss_type, args.padding_free = loss_type, padding_free
+
+
+def _generation_config(model: str) -> GenerationConfig | None:
+    # The generation config of a model id or folder; `None` for a model without one (its tokenizer's EOS then ends a
+    # trajectory's turns)
+    try:
+        return GenerationConfig.from_pretrained(model)
+    except OSError:
+        return None
+
+
+def latest_complete_checkpoint(output_dir: str) -> str | None:
+    """
+    The latest checkpoint of `output_dir` written to its end: `trainer_state.json` is the last file a checkpoint
+    writes, so a folder without one that names its step is left half-written (by a killed run) and skipped.
+
+    Args:
+        output_dir (`str`):
+            A trainer's output folder.
+
+    Returns:
+        `str` or `None`: the checkpoint folder, or `None` where there is none.
+    """
+    folders = sorted(
+        Path(output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*"),
+        key=lambda p: int(p.name.rsplit("-", 1)[1]) if p.name.rsplit("-", 1)[1].isdigit() else -1,
+    )
+    for folder in reversed(folders):
+        try:
+            state = json.loads((folder / "trainer_state.json").read_text())
+        except (OSError, ValueError):
+            logger.warning(f"Skipping the incomplete checkpoint {folder}.")
+            continue
+        if f"{PREFIX_CHECKPOINT_DIR}-{state.get('global_step')}" == folder.name:
+            return str(folder)
+    return None
 
 
 def base_model_name(config) -> str:
@@ -173,7 +209,7 @@ class CardOnSave:
             save_model_card(self, output_dir or self.args.output_dir)
 
 
-class TOPRTrainer(CardOnSave, SFTTrainer):
+class TOPRTrainer(NamesTheStep, CardOnSave, SFTTrainer):
     r"""
     Trainer for Tapered Off-Policy REINFORCE (TOPR), from [Tapered Off-Policy REINFORCE: Stable and efficient
     reinforcement learning for LLMs](https://huggingface.co/papers/2503.14286).
@@ -284,10 +320,9 @@ class TOPRTrainer(CardOnSave, SFTTrainer):
         # trajectory's turns (datasets are prepared before the model is set).
         if isinstance(model, str):
             self._vocab_size = AutoConfig.from_pretrained(model).get_text_config().vocab_size
-            try:
-                self._generation_config = GenerationConfig.from_pretrained(model)
-            except OSError:  # a model without a generation config: its tokenizer's EOS ends its turns
-                self._generation_config = None
+            self._generation_config = on_main_process(  # read once: the processes must cut trajectories alike
+                lambda: _generation_config(model), step="reading the model's generation config"
+            )
         else:
             self._vocab_size = model.get_input_embeddings().num_embeddings
             self._generation_config = getattr(model, "generation_config", None)
@@ -368,25 +403,15 @@ class TOPRTrainer(CardOnSave, SFTTrainer):
         Returns:
             [`~transformers.trainer_utils.TrainOutput`]: the training step count, loss and metrics.
         """
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = self._latest_complete_checkpoint()
+        if resume_from_checkpoint is True:  # chosen by the main process: every process resumes from the same step
+            resume_from_checkpoint = on_main_process(self._latest_complete_checkpoint, step="choosing the checkpoint")
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     def _latest_complete_checkpoint(self) -> str:
-        # `trainer_state.json` is the last file a checkpoint writes: a folder without a matching one is partial.
-        folders = sorted(
-            Path(self.args.output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*"),
-            key=lambda p: int(p.name.rsplit("-", 1)[1]) if p.name.rsplit("-", 1)[1].isdigit() else -1,
-        )
-        for folder in reversed(folders):
-            try:
-                state = json.loads((folder / "trainer_state.json").read_text())
-            except (OSError, ValueError):
-                logger.warning(f"Skipping the incomplete checkpoint {folder}.")
-                continue
-            if f"{PREFIX_CHECKPOINT_DIR}-{state.get('global_step')}" == folder.name:
-                return str(folder)
-        raise ValueError(f"No complete checkpoint to resume from in {self.args.output_dir}.")
+        folder = latest_complete_checkpoint(self.args.output_dir)
+        if folder is None:
+            raise ValueError(f"No complete checkpoint to resume from in {self.args.output_dir}.")
+        return folder
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """
@@ -473,7 +498,9 @@ class TOPRTrainer(CardOnSave, SFTTrainer):
             cache_file = os.path.join(
                 os.path.dirname(dataset.cache_files[0]["filename"]), f"cache-{fingerprint[0]}.arrow"
             )
-            if os.path.exists(cache_file):
+            # read from the cache where every process finds it (a cache folder of each machine's own may hold it on
+            # one and not another): each process then runs the same collectives
+            if all(gather_object([os.path.exists(cache_file)])):
                 logger.warning(f"Using cached behavior log-probs of the current weights for the {name} dataset.")
                 return concatenate_datasets([dataset, Dataset.from_file(cache_file)], axis=1)
 
@@ -484,12 +511,13 @@ class TOPRTrainer(CardOnSave, SFTTrainer):
         )
         rows = dataset.select_columns(["input_ids", "labels"]).to_list()
         values = behavior_logps(self.model, rows, self.logps_settings())
-        if cache_file is None:
-            return dataset.add_column(BEHAVIOR_LOGPS, values)
-        if self.accelerator.is_main_process:
-            Dataset.from_dict({BEHAVIOR_LOGPS: values}).map(cache_file_name=cache_file, new_fingerprint=fingerprint[0])
-        self.accelerator.wait_for_everyone()
-        return concatenate_datasets([dataset, Dataset.from_file(cache_file)], axis=1)
+        if cache_file is not None:  # every process holds the values; the main process writes them for later runs
+            with together(f"writing the {name} dataset's behavior log-probs to the cache"):
+                if self.accelerator.is_main_process:
+                    Dataset.from_dict({BEHAVIOR_LOGPS: values}).map(
+                        cache_file_name=cache_file, new_fingerprint=fingerprint[0]
+                    )
+        return dataset.add_column(BEHAVIOR_LOGPS, values)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = "train" if self.model.training else "eval"

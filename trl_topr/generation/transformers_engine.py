@@ -14,7 +14,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase,
 from transformers.cache_utils import DynamicLayer, StaticLayer
 from trl.trainer.utils import create_model_from_path
 
-from ..distributed import full_weights, unsharded_loading
+from ..distributed import forward_is_collective, full_weights, unsharded_loading
 from ..precision import autocast
 from ..tokens import end_of_sequence_ids, text_tokenizer
 from .engine import GenerationEngine
@@ -30,6 +30,7 @@ def _generation_inputs(
     kept: list,
     shared_prefix: bool = True,
     static: bool = True,
+    plain: bool = False,
 ) -> dict[str, Any]:
     """
     Inputs of `model.generate` for `copies` completions of each row of token ids, with every key/value computed once:
@@ -39,10 +40,11 @@ def _generation_inputs(
     for every copy). Rows are laid out `[padding][prefix][padding][rest]`, their positions counted along the
     attention mask as `generate` counts them. With `static`, where the model's layers are plain full attention, the
     key/values go in a cache allocated once with room for `max_new_tokens`: a growing cache copies itself at every
-    token, most of a step's cost on long prompts.
+    token, most of a step's cost on long prompts. With `plain` (or a model without the default cache), the rows are
+    only padded, and `generate` computes them whole: no forward here, whose number would depend on the rows.
     """
     device, name = model.device, _cache_argument(model)
-    if not model._supports_default_dynamic_cache():
+    if plain or not model._supports_default_dynamic_cache():
         layout = _padded(rows, [0] * len(rows), pad_id)
         return {key: torch.tensor(value, device=device).repeat_interleave(copies, 0) for key, value in layout}
     found = [_longest_prefix(kept, row) for row in rows]
@@ -285,11 +287,22 @@ class TransformersEngine(GenerationEngine):
         model.eval()
         try:
             with full_weights(model, self.training_engine):
+                # a forward that is a collective (FSDP2) runs as often on every process: no key/values computed ahead,
+                # whose forwards depend on each process's own prompts (`generate` keeps the processes' steps in sync)
+                plain = forward_is_collective(model)
+                keeping = self.keeping and not plain
                 for first in range(0, len(prompts), settings.batch_size):
                     batch = prompts[first : first + settings.batch_size]
                     with autocast(model.device, self.bf16):  # the prompts' key/values too
                         inputs = _generation_inputs(
-                            model, batch, pad_id, copies, settings.max_new_tokens, kept, **self._cache_options
+                            model,
+                            batch,
+                            pad_id,
+                            copies,
+                            settings.max_new_tokens,
+                            kept,
+                            plain=plain,
+                            **self._cache_options,
                         )
                         outputs = model.generate(
                             **inputs,
@@ -303,7 +316,7 @@ class TransformersEngine(GenerationEngine):
                             disable_compile=True,  # a compilation per batch shape costs more than it saves here
                         )
                     new = outputs.sequences[:, inputs["input_ids"].size(1) :].tolist()
-                    if self.keeping:
+                    if keeping:
                         rows = [prompt for prompt in batch for _ in range(copies)]
                         ended = [self.cut(tokens) for tokens in new]
                         cache = getattr(outputs, "cache", None)  # `past_key_values` before transformers 5.24

@@ -25,6 +25,7 @@ from accelerate import PartialState
 from accelerate.logging import get_logger
 from trl.generation.vllm_generation import VLLMGeneration
 
+from ..distributed import on_main_process, together
 from ..tokens import end_of_sequence_ids
 from .arguments import VLLMArguments
 from .engine import GenerationEngine
@@ -149,15 +150,14 @@ class TOPRVLLMGeneration(VLLMGeneration):
 
             # every process sends its own share of the prompts; the main one alone asks for reloads
             base_url = self.server_base_url or f"http://{self.server_host}:{self.server_port}"
-            self.vllm_client = VLLMClient(base_url=base_url, connection_timeout=self.server_timeout)
-            self.accelerator.wait_for_everyone()
+            with together(f"connecting to the vLLM server at {base_url}"):  # all connected, or all stop
+                self.vllm_client = VLLMClient(base_url=base_url, connection_timeout=self.server_timeout)
             return None
         if self.mode != "colocate":
             raise ValueError(f"vllm_mode must be either 'server' or 'colocate', got '{self.mode}'.")
         if self.tensor_parallel_size != 1:  # TRL's subgroups and external launcher, unchanged
             return super()._init_vllm()
         from trl.trainer.utils import ensure_master_addr_port
-        from vllm import LLM
 
         # As TRL: each training process holds an engine, within the processes' torch.distributed world
         os.environ.update(
@@ -179,6 +179,13 @@ class TOPRVLLMGeneration(VLLMGeneration):
             engine_kwargs = dict(gpu_memory_utilization=self.gpu_memory_utilization, max_num_batched_tokens=4096)
             if self.enforce_eager is not None:
                 engine_kwargs["enforce_eager"] = self.enforce_eager
+        with together("starting the colocated vLLM engines"):  # all started, or all stop
+            self._start_llm(engine_kwargs)
+        return None
+
+    def _start_llm(self, engine_kwargs: dict) -> None:
+        from vllm import LLM
+
         self.llm = LLM(
             model=self.model.name_or_path,
             dtype=self.dtype,
@@ -196,8 +203,6 @@ class TOPRVLLMGeneration(VLLMGeneration):
         if self.enable_sleep_mode:
             self.llm.sleep(level=2)
         self._llm_weights_sleeping = self.enable_sleep_mode
-        self.accelerator.wait_for_everyone()
-        return None
 
     def sync_weights(self):
         """Copy the model's current weights into the engine (TRL's sync, through vLLM's `reload_weights` on CPU)."""
@@ -223,21 +228,24 @@ class TOPRVLLMGeneration(VLLMGeneration):
             self.llm.collective_rpc("topr_reload_weights", kwargs={"weights_path": folder})
             self.llm.reset_prefix_cache()
             self._llm_weights_sleeping = False
-        elif self.accelerator.is_main_process:
-            client = self.vllm_client
-            response = client.session.post(
-                f"{client.base_url}/collective_rpc",
-                json={"method": "topr_reload_weights", "kwargs": {"weights_path": folder}},
+            self.accelerator.wait_for_everyone()
+        else:  # the main process asks the server; every process goes on from its answer, or stops with it
+            on_main_process(lambda: self._reload_server(folder), step=f"reloading the vLLM server with {folder}")
+
+    def _reload_server(self, folder: str) -> None:
+        client = self.vllm_client
+        response = client.session.post(
+            f"{client.base_url}/collective_rpc",
+            json={"method": "topr_reload_weights", "kwargs": {"weights_path": folder}},
+        )
+        if response.status_code != 200:
+            raise RuntimeError(
+                f"The vLLM server at {client.base_url} could not reload the weights of {folder} "
+                f"({response.status_code}: {response.text[:300]}). Start it with `VLLM_SERVER_DEV_MODE=1` and "
+                "`--worker-extension-cls trl_topr.generation.vllm_engine.TOPRWorkerExtension`, on a machine "
+                "that reads this folder."
             )
-            if response.status_code != 200:
-                raise RuntimeError(
-                    f"The vLLM server at {client.base_url} could not reload the weights of {folder} "
-                    f"({response.status_code}: {response.text[:300]}). Start it with `VLLM_SERVER_DEV_MODE=1` and "
-                    "`--worker-extension-cls trl_topr.generation.vllm_engine.TOPRWorkerExtension`, on a machine "
-                    "that reads this folder."
-                )
-            client.reset_prefix_cache()
-        self.accelerator.wait_for_everyone()
+        client.reset_prefix_cache()
 
     def close(self) -> None:
         """

@@ -106,6 +106,7 @@ def main(script_args: EvalArguments, prompt_args: PromptArguments, loop_args, tr
     from trl.trainer.utils import create_model_from_path
 
     from trl_topr import Sampler
+    from trl_topr.distributed import together
 
     correct_func = import_function(script_args.correct_func)
     answer_func = import_function(script_args.answer_func)
@@ -125,14 +126,14 @@ def main(script_args: EvalArguments, prompt_args: PromptArguments, loop_args, tr
         metrics = sampler.evaluate(
             prompts, correct_func, answer_func, loop_args.eval_sampling(seed=training_args.seed)
         )
-    if state.is_main_process:
-        text = json.dumps(metrics, indent=2)
-        print(text)
-        if script_args.output_path is not None:
-            path = Path(script_args.output_path)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text + "\n")
-    state.wait_for_everyone()
+    with together("writing the metrics"):  # every process stops where it fails
+        if state.is_main_process:
+            text = json.dumps(metrics, indent=2)
+            print(text)
+            if script_args.output_path is not None:
+                path = Path(script_args.output_path)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text + "\n")
     return metrics
 
 

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from trl_topr.scripts.utils import (
     SAMPLING_SCRIPT_DEFAULTS,
     PromptArguments,
+    check_dataset_path,
     import_function,
     load_prompts,
     model_init_kwargs,
@@ -105,7 +106,9 @@ def main(script_args: SampleArguments, prompt_args: PromptArguments, loop_args, 
     from trl.trainer.utils import create_model_from_path
 
     from trl_topr import Sampler
+    from trl_topr.distributed import together
 
+    check_dataset_path(script_args.output_path)  # before anything is sampled, on every process
     reward_funcs = [import_function(path) for path in script_args.reward_funcs]
     prompts = load_prompts(prompt_args, training_args.prompt_column)
     model_path = resolve_model(model_args.model_name_or_path)
@@ -121,14 +124,14 @@ def main(script_args: SampleArguments, prompt_args: PromptArguments, loop_args, 
         model, tokenizer, loop_args, training_args, reward_funcs, progress=state.is_main_process
     ) as sampler:
         samples = sampler.sample(prompts, loop_args.sampling(seed=training_args.seed))
-    if state.is_main_process:
-        save_dataset(samples, script_args.output_path)
-        rewards = samples["reward"]
-        print(
-            f"{len(samples)} samples of {len(prompts)} prompts, mean reward {sum(rewards) / len(rewards):.3f}, "
-            f"saved to {script_args.output_path}."
-        )
-    state.wait_for_everyone()
+    with together(f"saving the samples to {script_args.output_path}"):  # every process stops where it fails
+        if state.is_main_process:
+            save_dataset(samples, script_args.output_path)
+            rewards = samples["reward"]
+            print(
+                f"{len(samples)} samples of {len(prompts)} prompts, mean reward {sum(rewards) / len(rewards):.3f}, "
+                f"saved to {script_args.output_path}."
+            )
     return samples
 
 

@@ -102,6 +102,26 @@ def load_local_or_hub_dataset(name: str, config: str | None = None, split: str |
     return load_dataset(name, name=config, split=split, streaming=streaming)
 
 
+def check_dataset_path(path: str) -> str:
+    """
+    Check that [`save_dataset`] can write to `path` (before the work whose result it saves).
+
+    Args:
+        path (`str`):
+            Output file or folder.
+
+    Returns:
+        `str`: its extension.
+
+    Raises:
+        `ValueError`: for a CSV file.
+    """
+    suffix = Path(path).suffix
+    if suffix == ".csv":
+        raise ValueError("CSV cannot hold lists (behavior_logps, messages): write a .jsonl, .json or .parquet file.")
+    return suffix
+
+
 def save_dataset(dataset, path: str) -> None:
     """
     Save a dataset as a `.jsonl`, `.json` or `.parquet` file, or else as a [`~datasets.Dataset.save_to_disk`] folder.
@@ -129,9 +149,7 @@ def save_dataset(dataset, path: str) -> None:
 
     ```
     """
-    suffix = Path(path).suffix
-    if suffix == ".csv":
-        raise ValueError("CSV cannot hold lists (behavior_logps, messages): write a .jsonl, .json or .parquet file.")
+    suffix = check_dataset_path(path)
     if Path(path).parent != Path():
         Path(path).parent.mkdir(parents=True, exist_ok=True)
     if suffix == ".jsonl":
@@ -325,7 +343,7 @@ def resolve_model(model_name_or_path: str | None) -> str:
     """
     if model_name_or_path is not None:
         return model_name_or_path
-    from accelerate import PartialState
+    from ..distributed import on_main_process
 
-    with PartialState().main_process_first():
-        return smollm2_path()
+    # converted once, by the main process, which every process then reads (or stops with, where it fails)
+    return on_main_process(smollm2_path, step="converting the embedded SmolLM2-135M-Instruct")
