@@ -33,10 +33,11 @@ from trl.trainer.utils import create_model_from_path
 from .baseline import baseline_for_positive_fraction
 from .config import TOPRArguments
 from .data import BEHAVIOR_LOGPS, COMPLETION_IDS, PROMPT_IDS, REWARD, TOOL_MASK
+from .distributed import NamesTheStep
 from .generation import SamplingSettings
 from .loss import METRIC_SUPPORT, ratio_metrics_by, topr_loss
 from .sampling import RewardFuncs, Sampler
-from .trainer import CardOnSave, TOPRTrainer
+from .trainer import CardOnSave, TOPRTrainer, latest_complete_checkpoint
 
 
 try:  # TRL 1.18 and later: stable
@@ -46,7 +47,8 @@ except ImportError:  # TRL 1.16: experimental
 
 # TRL's modules of the asynchronous trainer, wherever the installed TRL keeps them
 _PACKAGE = AsyncGRPOTrainer.__module__.rsplit(".", 1)[0]
-RolloutSample = importlib.import_module(f"{_PACKAGE}.async_rollout_worker").RolloutSample
+_WORKER_MODULE = importlib.import_module(f"{_PACKAGE}.async_rollout_worker")
+RolloutSample, AsyncRolloutWorker = _WORKER_MODULE.RolloutSample, _WORKER_MODULE.AsyncRolloutWorker
 TREE_ATTENTION = importlib.import_module(f"{_PACKAGE}.packing").TREE_ATTENTION
 
 logger = get_logger(__name__)
@@ -209,7 +211,7 @@ def _peak_flops_guarded(args):
         yield
 
 
-class TOPRAsyncGRPOTrainer(CardOnSave, AsyncGRPOTrainer):
+class TOPRAsyncGRPOTrainer(NamesTheStep, CardOnSave, AsyncGRPOTrainer):
     r"""
     Asynchronous Tapered Off-Policy REINFORCE: TRL's `AsyncGRPOTrainer` with TOPR's loss, from [Tapered Off-Policy
     REINFORCE: Stable and efficient reinforcement learning for LLMs](https://huggingface.co/papers/2503.14286).
@@ -302,11 +304,53 @@ class TOPRAsyncGRPOTrainer(CardOnSave, AsyncGRPOTrainer):
                     ) from error
                 raise
         self.tree_attention = "flash_attention_3"  # what packs the samples: TRL's kernel, or PyTorch's SDPA
-        if not flash_attention_3_loads(self.accelerator.device):  # registered after TRL registers its own
+        loads = flash_attention_3_loads(self.accelerator.device)
+        if self.accelerator.num_processes > 1:  # one attention for every process
+            loads = all(gather_object([loads]))
+        if not loads:  # registered after TRL registers its own
             AttentionInterface.register(TREE_ATTENTION, tree_attention)
             self.tree_attention = "sdpa"
+        if type(self.rollout_worker) is AsyncRolloutWorker:  # TRL's, stopped whatever the state of its process
+            self.rollout_worker.__class__ = _GuardedRolloutWorker
         if self.rollout_queue is not None:  # each sample's version, past TRL's dataset, for the logs by staleness
             self.rollout_queue = _Stamped(self.rollout_queue)
+
+    def train(self, *args, **kwargs):
+        """
+        TRL's `train`, where an error raised while the vLLM server does not answer (it stopped, or cannot be reached)
+        is raised as one that names the server and the last complete checkpoint to resume from. See
+        [`~transformers.Trainer.train`].
+        """
+        try:
+            return super().train(*args, **kwargs)
+        except Exception as error:
+            self._raise_if_the_server_is_gone(error)
+            raise
+
+    def _raise_if_the_server_is_gone(self, error: Exception) -> None:
+        # With TRL's worker, on the main process (which talks to the server): an error while the server does not
+        # answer its health check is the server's
+        if self.args.in_process_rollouts or self.vllm_client is None:
+            return
+        import requests  # what TRL's client talks to the server with
+
+        url = self.args.vllm_server_base_url
+        try:
+            requests.get(f"{url}/health", timeout=10).raise_for_status()
+            return  # it answers: the error is another one
+        except requests.RequestException as unhealthy:
+            probe = f"{type(unhealthy).__name__}: {unhealthy}"
+        last = latest_complete_checkpoint(self.args.output_dir)
+        resume = (
+            f"The last complete checkpoint is {last}: start the server again and resume from it "
+            "(`trainer.train(resume_from_checkpoint=...)`)."
+            if last
+            else "No checkpoint was saved yet (`save_strategy`, `save_steps`)."
+        )
+        raise RuntimeError(
+            f"The vLLM server at {url} does not answer (its /health: {probe}): training stopped at step "
+            f"{self.state.global_step} with {type(error).__name__}: {error}. {resume}"
+        ) from error
 
     def get_train_dataloader(self):
         # TRL's loader, its batches with each sample's staleness where the loss sees it (the logs by staleness)
@@ -367,17 +411,17 @@ class TOPRAsyncGRPOTrainer(CardOnSave, AsyncGRPOTrainer):
         # the reward is the worker's (TRL logs each sample's), what the loss sees as R is R - c
         local = {name: value.item() for name, value in metrics.items() if name not in ("reward", "completion_length")}
         local |= {"entropy": entropy.float().mean().item(), "count/tokens": float(entropy.numel())}
-        # staleness where the sample is trained: versions are the initial one (1) and one a `weight_sync_steps` steps
-        current = 1 + self.state.global_step // self.args.weight_sync_steps
+        # each sample's version, and the version being trained: TRL's own count of the policy's versions, which only
+        # the main process keeps (it syncs the weights), also after a resume (the checkpoint's, then its cold sync)
         versions = inputs[VERSIONS][inputs[VERSIONS] != NO_SAMPLE] if VERSIONS in inputs else inputs["advantages"][:0]
-        staleness = (current - versions).tolist()
-        rows = (
-            list(zip(staleness, log_ratio.tolist(), advantages.tolist())) if len(staleness) == len(log_ratio) else []
-        )
-        every = gather_object([(local, rows)]) if self.accelerator.num_processes > 1 else [(local, rows)]
-        for values, _ in every:
+        rows = list(zip(versions.tolist(), log_ratio.tolist(), advantages.tolist()))
+        rows = rows if len(versions) == len(log_ratio) else []
+        mine = (local, rows, self.model_version)
+        every = gather_object([mine]) if self.accelerator.num_processes > 1 else [mine]
+        for values, _, _ in every:
             self._add_metrics(values, lambda name, v=values: v[METRIC_SUPPORT.get(name, "count/sequences")])
-        samples = [row for _, rank_rows in every for row in rank_rows]
+        current = every[0][2]  # the main process's
+        samples = [(current - version, *row) for _, rank_rows, _ in every for version, *row in rank_rows]
         if samples:
             groups, ratios, centred = (torch.tensor(column) for column in zip(*samples, strict=True))
             by = ratio_metrics_by(groups, ratios, centred, "staleness", **self.args.weight_options())
@@ -399,6 +443,34 @@ class TOPRAsyncGRPOTrainer(CardOnSave, AsyncGRPOTrainer):
                 self._metrics["train"][name].append(float(value))
             elif support(name) > 0:
                 self._metrics["train"][name].append((value * support(name), float(support(name))))
+
+
+class _GuardedRolloutWorker(AsyncRolloutWorker):
+    # TRL's rollout worker (its process), that tells when its process has died and stops also when it died or hangs.
+    # TRL's `stop` sets a multiprocessing Event on which the process's stop-watcher thread waits, and `Event.set` waits
+    # for every waiter to wake: a process that was killed (out of memory, say) or hangs never does, and the trainer
+    # would wait forever as it stops (TRL 1.16). Such a process is killed, and the event its waiter held replaced,
+    # before TRL's `stop`. The trainer gives its worker this class once TRL has built it (a subclass: TRL's checks of
+    # `isinstance(worker, AsyncRolloutWorker)`, for checkpoints and resuming, still hold).
+    HUNG_AFTER_S = 10.0  # a running worker beats its heartbeat every 0.1 s
+
+    def check_health(self, stale_after_s: float) -> None:
+        process = self._process
+        if process is not None and process._popen is not None and not process.is_alive():
+            code = process.exitcode
+            how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+            raise RuntimeError(f"The rollout worker's process exited ({how}): it produces no more samples.")
+        super().check_health(stale_after_s)
+
+    def stop(self) -> None:
+        process = self._process
+        if process is not None and process._popen is not None:
+            hung = time.time() - self._heartbeat_value.value > self.HUNG_AFTER_S
+            if not process.is_alive() or hung:
+                process.kill()
+                process.join(5)
+                self._stop_event_mp = self._mp_ctx.Event()
+        super().stop()
 
 
 def _segment_positions(segment: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
