@@ -24,7 +24,12 @@ from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects  
 
 from trl_topr import TOPRConfig, TOPRTrainer  # noqa: E402
 from trl_topr.compat import CHECKPOINTING  # noqa: E402
-from trl_topr.testing import CHATML, CORPUS, build_tiny_model, kill_tree  # noqa: E402, F401  (the tests import them from here)
+from trl_topr.testing import (  # noqa: E402, F401  (the tests import them from here)
+    CHATML,
+    CORPUS,
+    build_tiny_model,
+    kill_tree,
+)
 
 
 def end_processes() -> None:
