@@ -5,7 +5,9 @@ but without trl, datasets or bitsandbytes, and nothing can be downloaded there. 
 that can reach the package index, a wheelhouse of exactly what a trl-topr install needs beyond the image, at the
 versions installed where it runs (the ones the tests passed with), in wheels for the image's Python. It trims the
 two large ones to what runs there (pyarrow without Flight and the cloud file systems, bitsandbytes with the image's
-CUDA only), so that the kit travels with the working tree within 64 MiB. On the GPU machine, `gpu.sh` installs it
+CUDA only) and packs the wheels, each stored uncompressed, into one xz archive (`kit.tar.xz`: xz over the stored files
+compresses about twice what each wheel's own deflate does), so that the kit travels with the working tree within
+64 MiB: the kit's limit is what the tree leaves of them. On the GPU machine, `gpu.sh` installs it
 into a folder of its own whose path contains `site-packages` (so `torch.compile` treats the libraries as libraries,
 not as user code), ahead of the image's packages on the path; torch and the CUDA libraries stay the image's.
 
@@ -34,7 +36,9 @@ import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE = Path(__file__).with_name("gpu_image.txt")
-LIMIT_MIB = 52  # the tree and the kit travel together within 64 MiB; the tree takes about 10
+TRAVEL_MIB = 64  # what travels to a GPU machine: the working tree and the kit together
+MARGIN_MIB = 4  # room for the tree to grow between two builds of the kit
+KIT_FILE = "kit.tar.xz"
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64")
 PLATFORMS += ("manylinux2014_x86_64", "manylinux1_x86_64")
 EXTRAS = ("quantization",)  # bitsandbytes, for the QLoRA checks
@@ -120,8 +124,49 @@ def trims(cuda: str) -> dict[str, re.Pattern]:
     }
 
 
-def build(out: Path, python: str, cuda: str, limit_mib: float = LIMIT_MIB) -> list[Path]:
-    """Download the planned wheels for `python` to `out` (emptied first) and trim them; fail above `limit_mib`."""
+def tree_mib(root: Path = ROOT) -> float:
+    """What of the working tree travels to a GPU machine: its tracked files and the untracked ones git does not
+    ignore, in MiB."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=root,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
+    files = [root / name.decode() for name in listed if name]
+    return sum(path.stat().st_size for path in files if path.is_file() and not path.is_symlink()) / 2**20
+
+
+def kit_limit_mib(root: Path = ROOT) -> float:
+    """What the working tree leaves the kit of the 64 MiB that travel, less a margin for the tree to grow."""
+    return TRAVEL_MIB - tree_mib(root) - MARGIN_MIB
+
+
+def stored(wheel: Path) -> None:
+    """Rewrite `wheel` with its files stored uncompressed (still a wheel pip installs), for one xz over all of them."""
+    rewritten = wheel.with_suffix(".stored")
+    with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(rewritten, "w", zipfile.ZIP_STORED) as target:
+        for item in source.infolist():
+            target.writestr(item, source.read(item), compress_type=zipfile.ZIP_STORED)
+    rewritten.replace(wheel)
+
+
+def pack(wheels: list[Path], out: Path) -> Path:
+    """The wheels, stored uncompressed, in one xz archive `out/kit.tar.xz` (the wheels themselves removed)."""
+    archive = out / KIT_FILE
+    with tarfile.open(archive, "w:xz", preset=9) as packed:
+        for wheel in wheels:
+            stored(wheel)
+            packed.add(wheel, arcname=wheel.name)
+    for wheel in wheels:
+        wheel.unlink()
+    return archive
+
+
+def build(out: Path, python: str, cuda: str, limit_mib: float | None = None) -> Path:
+    """Download the planned wheels for `python` to `out` (emptied first), trim them and pack them into
+    `out/kit.tar.xz`; fail above `limit_mib` (by default what the working tree leaves, [`kit_limit_mib`])."""
+    limit_mib = kit_limit_mib() if limit_mib is None else limit_mib
     carry, _ = plan(read_image(), python)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -137,22 +182,29 @@ def build(out: Path, python: str, cuda: str, limit_mib: float = LIMIT_MIB) -> li
     sizes = {wheel.name: wheel.stat().st_size / 2**20 for wheel in wheels}
     for name, size in sizes.items():
         print(f"{size:7.2f} MiB  {name}")
-    total = sum(sizes.values())
-    print(f"{total:7.2f} MiB in {len(wheels)} wheels (limit {limit_mib} MiB)")
+    archive = pack(wheels, out)
+    total = archive.stat().st_size / 2**20
+    print(f"{sum(sizes.values()):7.2f} MiB in {len(wheels)} wheels")
+    print(f"{total:7.2f} MiB packed ({KIT_FILE}; limit {limit_mib:.1f} MiB: the tree takes {tree_mib():.1f} of 64)")
     if total > limit_mib:
-        raise SystemExit(f"the kit takes {total:.1f} MiB, more than {limit_mib}")
-    return wheels
+        raise SystemExit(f"the kit takes {total:.1f} MiB, more than {limit_mib:.1f}")
+    return archive
 
 
 def install(wheelhouse: Path, site: Path) -> None:
     """
-    Install the kit's wheels into `site`, without dependencies and from the kit alone, skipping a wheel whose
-    distribution the running Python already holds at its version or newer where `gpu_image.txt` lists it (one it
-    does not list, such as pyarrow, is always installed: the image's may not work); then check that torch stays the
-    one outside `site`.
+    Install the kit's wheels (packed in `kit.tar.xz`, or as they are) into `site`, without dependencies and from the
+    kit alone, skipping a wheel whose distribution the running Python already holds at its version or newer where
+    `gpu_image.txt` lists it (one it does not list, such as pyarrow, is always installed: the image's may not work);
+    then check that torch stays the one outside `site`.
     """
     from packaging.version import InvalidVersion, Version
 
+    if (wheelhouse / KIT_FILE).exists():  # packed: unpacked into a folder of its own first
+        unpacked = Path(tempfile.mkdtemp(prefix="gpu-kit-"))
+        with tarfile.open(wheelhouse / KIT_FILE) as packed:
+            packed.extractall(unpacked, filter="data")
+        wheelhouse = unpacked
     image, wanted = read_image(), []
     for wheel in sorted(wheelhouse.glob("*.whl")):
         name, version = wheel.name.split("-")[:2]
@@ -207,7 +259,7 @@ def rehearse(work: Path, cuda: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / ".whl", help="the wheelhouse (default .whl)")
+    parser.add_argument("--out", type=Path, default=ROOT / ".whl", help="the kit's folder (default .whl)")
     parser.add_argument("--python", default="3.12", help="the GPU image's Python")
     parser.add_argument("--cuda", default="130", help="the image's CUDA, as bitsandbytes names it")
     parser.add_argument("--rehearse", action="store_true", help="rehearse the GPU install here, in a fresh venv")

@@ -254,6 +254,24 @@ def gpu_kit_size(folder: str) -> str:
     return re.search(r"[\d.]+ MiB in \d+ wheels", load(folder, "build.txt")).group(0)
 
 
+def gpu_kit_packed(folder: str) -> str:
+    """The GPU kit as it travels, from its build's last lines: "30.37 MiB packed, beside a tree of 24.9 MiB"."""
+    build = load(folder, "build.txt")
+    packed = re.search(r"([\d.]+) MiB packed", build).group(1)
+    tree = re.search(r"the tree takes ([\d.]+) of 64", build).group(1)
+    return f"{packed} MiB packed, beside a tree of {tree} MiB"
+
+
+def stress_summary(folder: str) -> str:
+    """The stress check's runs: "10 of 10 runs passed, none hung (the longest 1012 s), with 2 cores busy"."""
+    results = load(folder)
+    totals, burners = results["totals"], {run["burners"] for run in results["runs"]}
+    hung = "none hung" if totals["hung_runs"] == 0 else f"{totals['hung_runs']} hung"
+    longest = f"the longest {totals['seconds_max']:.0f} s"
+    cores = "/".join(map(str, sorted(burners)))
+    return f"{totals['passed_runs']} of {totals['runs']} runs passed, {hung} ({longest}), with {cores} cores busy"
+
+
 def gpu_kit_rehearsal(folder: str) -> str:
     """Each part of the rehearsal and its exit status: "rehearsal 0, rehearsal-tests 0"."""
     parts = re.findall(r"^== ([\w-]+): exit (\d+)", load(folder, "rehearsal.txt"), re.MULTILINE)
@@ -1410,6 +1428,11 @@ QUOTES: dict[str, tuple] = {
     "allocator.seconds_ratio": (result_value, "allocator", "seconds_ratio", "{:.2f}"),
     "allocator.peak_ratio": (result_value, "allocator", "peak_ratio", "{:.2f}"),
     "gpu-kit.size": (gpu_kit_size, "gpu-kit"),
+    "gpu-kit.packed": (gpu_kit_packed, "gpu-kit"),
+    # the multi-process tests again and again with every core busy
+    "stress.summary": (stress_summary, "stress"),
+    "stress.machine": (machine, "stress"),
+    "stress.commit": (commit, "stress"),
     "gpu-kit.rehearsal": (gpu_kit_rehearsal, "gpu-kit"),
     "gpu-kit.machine": (machine, "gpu-kit"),
     "gpu-kit.commit": (commit, "gpu-kit"),

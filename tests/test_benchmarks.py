@@ -3,6 +3,7 @@ learning are measured by the benchmarks themselves, side by side, never by timed
 
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -289,6 +290,9 @@ def test_gpu_kit_trims_a_wheel_that_still_installs(tmp_path):
     # beside it, a wheel of a package the image lists and this Python holds at a newer version: not installed
     with zipfile.ZipFile(tmp_path / "tqdm-0.0.1-py3-none-any.whl", "w") as archive:
         archive.writestr("tqdm/__init__.py", "raise ImportError('the image has a newer tqdm')\n")
+    # packed as the kit travels (each wheel stored, one xz archive), then installed from the archive
+    archive = kit.pack(sorted(tmp_path.glob("*.whl")), tmp_path)
+    assert archive.name == kit.KIT_FILE and not list(tmp_path.glob("*.whl"))
     site = tmp_path / "kit" / "site-packages"
     kit.install(tmp_path, site)
     assert sorted(p.name for p in site.iterdir() if not p.name.endswith(".dist-info")) == ["demo"]
@@ -302,6 +306,30 @@ def test_gpu_kit_trims_a_wheel_that_still_installs(tmp_path):
     dropped += ["pyarrow/libarrow_python.so", "pyarrow/include/arrow/api.h"]
     rule = {name: rules[name.split("/")[0]] for name in kept + dropped}
     assert [bool(rule[name].search(name)) for name in kept + dropped] == [False] * len(kept) + [True] * len(dropped)
+
+
+def test_the_gpu_kit_and_the_tree_travel_together_within_64_mib():
+    # What travels to a GPU machine (the tracked tree and the kit, 64 MiB at most) as the kit was last built: its
+    # packed size, recorded by `python benchmarks/gpu_kit.py` in benchmarks/results/gpu-kit, within what the tree
+    # leaves (less a margin for the tree to grow). A larger tree (more results) or kit fails here, not on the GPU.
+    kit = load("gpu_kit")
+    build = (BENCHMARKS / "results" / "gpu-kit" / "build.txt").read_text()
+    packed = float(re.search(r"([\d.]+) MiB packed", build).group(1))
+    assert packed <= kit.kit_limit_mib(), (packed, kit.tree_mib())
+    assert kit.tree_mib() + packed + kit.MARGIN_MIB <= kit.TRAVEL_MIB
+
+
+def test_the_stress_check_runs_the_multiprocess_tests_with_every_core_busy_and_records_a_hang(tmp_path):
+    stress = load("stress")
+    totals = stress.main(["--quick", "--out", str(tmp_path / "quick")])
+    assert totals["runs"] == totals["passed_runs"] == 1 and totals["hung_runs"] == 0
+    (run,) = [json.loads(line) for line in (tmp_path / "quick" / "runs.jsonl").read_text().splitlines()]
+    assert run["burners"] == os.cpu_count() and run["summary"].startswith("1 passed")
+    assert stress.main(["--quick", "--out", str(tmp_path / "quick")])["runs"] == 1  # resumed: nothing run again
+    # a run past its limit is a hang: stopped (every process of it), recorded as one
+    totals = stress.main(["--quick", "--limit", "3", "--out", str(tmp_path / "hang")])
+    assert totals["hung_runs"] == 1 and totals["passed_runs"] == 0
+    assert "1 of 1 runs passed" not in (tmp_path / "hang" / "table.md").read_text()
 
 
 def test_iterative_benchmark_resumes_and_gives_every_method_the_same_budget(capsys, tmp_path):
