@@ -40,9 +40,13 @@ def one_sgd_step(model_path, output_dir, normalization, batch_size, accumulation
 
 
 @pytest.mark.parametrize("normalization", LOSS_NORMALIZATIONS)
-def test_accumulated_micro_batches_update_like_one_batch(tiny_model_path, tmp_path, normalization):
+@pytest.mark.parametrize("batch_size, accumulation", [(2, 4), (3, 3)], ids=["even", "uneven"])
+def test_accumulated_micro_batches_update_like_one_batch(
+    tiny_model_path, tmp_path, normalization, batch_size, accumulation
+):
+    # even: 4 micro-batches of 2 rows; uneven: micro-batches of 3, 3 and 2 rows, whose rows weigh as much as the others
     whole, _ = one_sgd_step(tiny_model_path, tmp_path / "8x1", normalization, 8, 1)
-    split, _ = one_sgd_step(tiny_model_path, tmp_path / "2x4", normalization, 2, 4)
+    split, _ = one_sgd_step(tiny_model_path, tmp_path / "split", normalization, batch_size, accumulation)
     initial = TOPRTrainer(tiny_model_path, args=make_args(tmp_path / "init"), train_dataset=uneven_dataset()).model
     moved = max((whole[n] - p).abs().max().item() for n, p in initial.named_parameters())
     assert moved > 1e-3  # the step is large enough for a wrong scale to show

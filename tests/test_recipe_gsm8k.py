@@ -287,7 +287,8 @@ def test_embedded_default_path_raises_no_deprecation_warning(tiny_model_path, tm
 def test_the_card_and_the_records_say_what_the_rounds_trained_with(tiny_model_path, tmp_path):
     # README's first command's configuration sets no baseline: the loop trains TOPR's rounds with its default target
     # positive fraction, and the published card's settings, the round's line, its saved arguments and its trainer state
-    # all say so (a one-sided round, which no baseline can balance, trains with baseline 0 and records that instead)
+    # all say so (a one-sided round, which no baseline can balance, trains with baseline 0 and records it beside the
+    # target, as every trainer does)
     import torch
 
     script_args, loop_args, training_args, model_args = embedded_args(tiny_model_path, tmp_path / "out")
@@ -304,8 +305,7 @@ def test_the_card_and_the_records_say_what_the_rounds_trained_with(tiny_model_pa
     assert saved.target_positive_fraction == line["target_positive_fraction"]
     assert logged == {saved.target_positive_fraction}
     samples = [json.loads(r) for r in (tmp_path / "out" / "round-1" / "samples.jsonl").read_text().splitlines()]
-    if len({row["reward"] for row in samples}) > 1:
-        assert line["target_positive_fraction"] == 0.8
-    else:
-        assert line["target_positive_fraction"] is None and line["baseline"] == 0.0
+    assert line["target_positive_fraction"] == 0.8
+    if len({row["reward"] for row in samples}) == 1:
+        assert line["baseline"] == 0.0
     assert "| reward | baseline | effective_positive_fraction |" in card  # each round's baseline in the table

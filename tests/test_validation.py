@@ -175,10 +175,14 @@ def test_eval_dataset_is_checked_too(tiny_model_path, tmp_path):
         )
 
 
-def test_target_fraction_needs_two_reward_values(tiny_model_path, tmp_path):
+def test_a_target_fraction_of_one_sided_data_trains_with_baseline_0(tiny_model_path, tmp_path):
+    # no baseline changes the composition of data whose rewards are all equal: c = 0, said in a warning, as in every
+    # trainer (`topr_baseline`)
     dataset = standard_dataset().remove_columns("reward").add_column("reward", [-1.0] * 8)
-    with pytest.raises(ValueError, match="two distinct rewards"):
-        TOPRTrainer(tiny_model_path, args=make_args(tmp_path, target_positive_fraction=0.2), train_dataset=dataset)
+    trainer = TOPRTrainer(
+        tiny_model_path, args=make_args(tmp_path, target_positive_fraction=0.2), train_dataset=dataset
+    )
+    assert trainer.baseline == 0.0
 
 
 @pytest.mark.parametrize("rewards", [[-1.0] * 8, [1.0] * 8, [1.0], [-1.0, -1.0], "duplicated"])

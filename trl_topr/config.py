@@ -32,15 +32,10 @@ def check_topr_options(args) -> None:
         args.negative_ratio_bounds,
         args.epsilon,
     )
-    baselines = ["baseline", "target_positive_fraction", "group_baseline"]
-    options = [name for name in baselines if hasattr(args, name)]
+    options = ["baseline", "target_positive_fraction", "group_baseline"]
     chosen = [name for name in options if getattr(args, name) not in (None, False)]
     if len(chosen) > 1:
-        which = (
-            " or ".join(f"`{n}`" for n in options) + ", not both"
-            if len(options) == 2
-            else ("at most one of " + ", ".join(f"`{n}`" for n in options))
-        )
+        which = "at most one of " + ", ".join(f"`{n}`" for n in options)
         raise ValueError(f"Set {which} (got {' and '.join(f'`{n}`' for n in chosen)}): each sets the baseline.")
     if args.baseline is not None and not math.isfinite(args.baseline):
         raise ValueError(f"`baseline` must be a finite number, got {args.baseline}.")
@@ -111,8 +106,13 @@ class TOPRArguments:
         target_positive_fraction (`float`, *optional*):
             Target effective positive fraction p_eff in (0, 1): the baseline is derived from the rewards (offline the
             training set's, online each generation batch's) so that the positives carry this share of the total
-            weight; 0 where the rewards are all equal. The paper found 0.1-0.2 best with its baseline sweep; the loop's
-            benchmark 0.8 (docs/benchmarks.md). Mutually exclusive with `baseline`.
+            weight; 0 where the rewards are all equal ([`~trl_topr.topr_baseline`]). The paper found 0.1-0.2 best with
+            its baseline sweep; the loop's benchmark 0.8 (docs/benchmarks.md). Mutually exclusive with `baseline`.
+        group_baseline (`bool`, *optional*, defaults to `False`):
+            The baseline of each completion is the mean reward of its prompt's `num_generations` completions, sampled
+            together: GRPO's baseline, without its scaling. For the trainers that sample groups (online and
+            asynchronous); the offline trainer refuses it. Mutually exclusive with `baseline` and
+            `target_positive_fraction`.
         bf16 (`bool`, *optional*):
             bf16 mixed precision. Defaults to the hardware ([`~trl_topr.precision.bf16_is_faster`]) instead of TRL's
             `True`: on where bf16 runs faster than float32 on the training device (GPUs from Ampere on; CPUs where a
@@ -178,6 +178,13 @@ class TOPRArguments:
             "training set's, or online each generation batch's). Exclusive with `baseline`."
         },
     )
+    group_baseline: bool = field(
+        default=False,
+        metadata={
+            "help": "Centre each reward on the mean reward of its prompt's completions (online and asynchronous "
+            "trainers). Exclusive with `baseline` and `target_positive_fraction`."
+        },
+    )
     bf16: bool | None = field(
         default=None,
         metadata={
@@ -211,6 +218,25 @@ class TOPRArguments:
 
             _set_pg_timeout(timedelta(seconds=self.ddp_timeout))
         return device
+
+    def __getstate__(self):
+        # `Trainer` pickles its arguments to `training_args.bin` next to every saved model and checkpoint, which are
+        # uploaded to the Hub: the pickle never carries the Hub token.
+        state = self.__dict__.copy()
+        state["hub_token"] = None
+        return state
+
+    def baseline_options(self, group_size: int | None = None) -> dict:
+        """
+        The options of [`~trl_topr.topr_advantages`]: what sets the baseline, as every trainer passes it.
+
+        Args:
+            group_size (`int`, *optional*):
+                The completions sampled together for a prompt (`num_generations`), for `group_baseline`.
+        """
+        if self.group_baseline:
+            return {"group_size": group_size}
+        return {"baseline": self.baseline, "target_positive_fraction": self.target_positive_fraction}
 
     def loss_options(self) -> dict:
         """The options of [`topr_loss`] (all but the baseline): what every trainer passes it."""
@@ -305,15 +331,14 @@ class TOPRConfig(TOPRArguments, SFTConfig):
         metadata={"help": "Batch size of the behavior log-prob precompute. Defaults to `per_device_eval_batch_size`."},
     )
 
-    def __getstate__(self):
-        # `Trainer` pickles its arguments to `training_args.bin` next to every saved model and checkpoint, which are
-        # uploaded to the Hub: the pickle never carries the Hub token.
-        state = self.__dict__.copy()
-        state["hub_token"] = None
-        return state
-
     def __post_init__(self):
         super().__post_init__()  # TOPR's defaults and checks around SFTConfig's
+        if self.group_baseline:
+            raise ValueError(
+                "`group_baseline` centres each completion on the others of its prompt sampled with it, which the "
+                "online and asynchronous trainers do; offline rows are not grouped: set `baseline` or "
+                "`target_positive_fraction`."
+            )
         # TOPR's loss is a sum over each completion, and its mean is over the batch's completions: a batch holds
         # `per_device_train_batch_size` whole rows. `padding_free` keeps that (it only lays the rows end to end);
         # packing does not.

@@ -476,14 +476,6 @@ def _round_trainer(policy, train_data: Dataset, args: TOPRConfig, round_dir: Pat
     # `args.num_train_epochs` (or `max_steps`) of TOPR on the round's data. The model is loaded here, and the loop's
     # caller publishes the final model: not every round's trainer.
     round_args = dataclasses.replace(args, output_dir=str(round_dir), model_init_kwargs=None, push_to_hub=False)
-    if round_args.target_positive_fraction is not None and len(set(train_data[REWARD])) < 2:
-        # no baseline changes a one-sided round's composition: train it with baseline 0, as the online trainer
-        # does for such a batch, rather than stop the loop
-        logger.info(
-            f"{round_dir.name}: every reward is {train_data[REWARD][0]}, so `target_positive_fraction` "
-            "cannot be met: this round trains with baseline 0"
-        )
-        round_args = dataclasses.replace(round_args, target_positive_fraction=None)
     trainer = TOPRTrainer(
         policy, args=round_args, train_dataset=train_data, processing_class=processing_class, peft_config=peft_config
     )

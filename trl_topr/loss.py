@@ -380,10 +380,11 @@ def topr_loss(
         epsilon (`float`, *optional*, defaults to `0.2`):
             Trust region of `loss_type="ppo_clip"`.
         num_items_in_batch (`int` or `torch.Tensor`, *optional*):
-            For `loss_normalization="token_mean"`: the number of completion tokens the mean is over, when this batch
-            is one part of a larger one (gradient accumulation, several processes). The loss is then this part's
-            share of the large batch's token mean, and the parts' losses add up to it. Defaults to this batch's
-            count. Ignored by the other normalizations.
+            What the mean is over when this batch is one part of a larger one (an optimizer step's micro-batches,
+            several processes): its completion tokens for `loss_normalization="token_mean"`, its completions for the
+            others. The loss is then this part's share of the large batch's mean, and the parts' losses add up to
+            it, so that a completion's weight does not depend on how the batch is split. Defaults to this batch's
+            count.
 
     Returns:
         `tuple[torch.Tensor, dict[str, torch.Tensor]]`: the scalar loss and a dict of detached scalar metrics
@@ -448,14 +449,15 @@ def topr_loss(
     # Per-token objective sg(alpha) (R - c) log pi, zero outside the completion.
     token_weights = weights if ratio_level == "token" else weights[:, None]
     per_token_objective = token_weights * advantages[:, None] * logps  # logps is 0 outside the completion
-    if loss_normalization == "sequence_length":
-        loss = -(per_token_objective.sum(-1) / lengths.clamp(min=1)).mean()
-    elif loss_normalization == "token_mean":
-        num_tokens = mask.sum() if num_items_in_batch is None else num_items_in_batch
-        num_tokens = torch.as_tensor(num_tokens, dtype=logps.dtype, device=logps.device)
-        loss = -per_token_objective.sum() / num_tokens.clamp(min=1)
-    else:
-        loss = -per_token_objective.sum(-1).mean()
+    if loss_normalization == "token_mean":
+        summed, count = per_token_objective.sum(), mask.sum()
+    else:  # each completion's objective, over its length (the paper's) or summed, then a mean over completions
+        per_sequence = per_token_objective.sum(-1)
+        if loss_normalization == "sequence_length":
+            per_sequence = per_sequence / lengths.clamp(min=1)
+        summed, count = per_sequence.sum(), float(per_sequence.numel())
+    count = torch.as_tensor(count if num_items_in_batch is None else num_items_in_batch, device=logps.device)
+    loss = -summed / count.to(logps.dtype).clamp(min=1)
 
     metrics = _metrics(rewards, advantages, baseline, weights, log_ratio, clamped, mask, lengths, ratio_level)
     return loss, metrics

@@ -3,15 +3,15 @@
 
 import contextlib
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer import grpo_trainer
 from trl.trainer.utils import get_config_model_id
 
-from .baseline import baseline_for_positive_fraction
-from .config import TOPRArguments, TOPRConfig
+from .baseline import topr_advantages
+from .config import TOPRArguments
 from .distributed import NamesTheStep
 from .generation.vllm_engine import TOPRVLLMGeneration
 from .loss import topr_loss
@@ -55,24 +55,15 @@ class TOPRGRPOConfig(TOPRArguments, GRPOConfig):
     `--loss_type`; `epsilon` is GRPO's clipping epsilon, reused as the trust region of `"ppo_clip"`. R is GRPO's
     combined reward (weighted sum of the reward functions), not its normalized advantage, so `scale_rewards` only
     shapes GRPO's logs; the sign test and the weight use R - c, c set by at most one of `baseline`,
-    `target_positive_fraction` (from each generation batch, all processes) and `group_baseline`. GRPO's own loss
+    `target_positive_fraction` (from each generation batch, all processes) and `group_baseline`
+    ([`~trl_topr.topr_advantages`]). GRPO's own loss
     options (`beta`, `delta`, `epsilon_high`, `importance_sampling_level`, `top_entropy_quantile`,
     `off_policy_mask_threshold`, `entropy_coef`, `use_adaptive_entropy`) must stay off: TOPR has no KL term, no
     reference model, and its own ratio options.
 
-    Parameters:
-        group_baseline (`bool`, *optional*, defaults to `False`):
-            c is the mean reward of the prompt's `num_generations` completions: GRPO's baseline, without its scaling.
-
     `bf16` and `activation_checkpointing` default as in [`TOPRConfig`]: bf16 where it runs faster than float32 on the
     hardware.
     """
-
-    group_baseline: bool = field(
-        default=False, metadata={"help": "Use the mean reward of each prompt's completions as the baseline."}
-    )
-
-    __getstate__ = TOPRConfig.__getstate__  # the pickled arguments never carry the Hub token
 
     def __post_init__(self):
         super().__post_init__()  # TOPR's defaults and checks around GRPOConfig's
@@ -160,15 +151,9 @@ class TOPRGRPOTrainer(NamesTheStep, GRPOTrainer):
         rewards_per_func = self._rewards_per_func
         rewards = (rewards_per_func * self.reward_weights.to(rewards_per_func.device)).nansum(dim=1)
         rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan  # unscorable: R - c is set to 0 in the loss
-        if self.args.group_baseline:
-            num_generations = self.num_generations if self.model.training else self.num_generations_eval
-            baselines = torch.nanmean(rewards.view(-1, num_generations), 1).repeat_interleave(num_generations)
-        else:
-            baseline = self.args.baseline or 0.0
-            scored = rewards[~torch.isnan(rewards)]
-            if self.args.target_positive_fraction is not None and scored.unique().numel() > 1:
-                baseline = baseline_for_positive_fraction(scored.tolist(), self.args.target_positive_fraction)
-            baselines = torch.full_like(rewards, baseline)
+        # TOPR's R - c over the generation batch (every process's completions)
+        num_generations = self.num_generations if self.model.training else self.num_generations_eval
+        _, baselines = topr_advantages(rewards, **self.args.baseline_options(num_generations))
         local = slice(self.accelerator.process_index * len(inputs), (self.accelerator.process_index + 1) * len(inputs))
         output["rewards"], output["baselines"] = rewards[local], baselines[local]
         return output

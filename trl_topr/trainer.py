@@ -23,7 +23,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import SFTTrainer
 from trl.trainer.utils import get_config_model_id
 
-from .baseline import baseline_for_positive_fraction
+from .baseline import topr_baseline
 from .config import TOPRConfig
 from .data import (
     BEHAVIOR_LOGPS,
@@ -145,6 +145,31 @@ def save_model_card(trainer, output_dir: str) -> None:
         trainer.create_model_card(model_name=model_name)
     finally:
         args.output_dir = card_dir
+
+
+def completions_in_step(accelerator, args, batch_samples: list[dict], device: torch.device) -> torch.Tensor:
+    """
+    The completions of an optimizer step's micro-batches (their `rewards`, one per completion, padding-free rows
+    included), summed over the processes with `args.average_tokens_across_devices`: what TOPR's sequence means are
+    over.
+
+    Args:
+        accelerator (`~accelerate.Accelerator`):
+            The trainer's accelerator.
+        args ([`TOPRArguments`]):
+            The configuration (`average_tokens_across_devices`, `world_size`).
+        batch_samples (`list[dict]`):
+            The step's micro-batches on this process.
+        device (`torch.device`):
+            Where the count goes.
+
+    Returns:
+        `torch.Tensor`: the count, a float scalar.
+    """
+    count = torch.tensor(float(sum(batch["rewards"].numel() for batch in batch_samples)), device=device)
+    if args.average_tokens_across_devices and args.world_size > 1:
+        count = accelerator.gather(count).sum()
+    return count
 
 
 def record_metrics(accelerator, store: dict[str, list[float]], metrics: dict[str, torch.Tensor]) -> None:
@@ -310,11 +335,10 @@ class TOPRTrainer(NamesTheStep, CardOnSave, SFTTrainer):
         elif eval_dataset is not None:
             eval_dataset = validate_and_standardize(eval_dataset, args, "eval")
 
-        # The baseline is derived once, from the whole training set, identically on every process.
-        if args.target_positive_fraction is not None:
-            self.baseline = baseline_for_positive_fraction(train_dataset[REWARD], args.target_positive_fraction)
-        else:
-            self.baseline = args.baseline if args.baseline is not None else 0.0
+        # TOPR's baseline c, over the whole training set, identically on every process
+        self.baseline = topr_baseline(
+            train_dataset[REWARD], baseline=args.baseline, target_positive_fraction=args.target_positive_fraction
+        )
 
         # The model's vocabulary, to check given token ids against, and the generation config whose stop ids end a
         # trajectory's turns (datasets are prepared before the model is set).
@@ -519,34 +543,42 @@ class TOPRTrainer(NamesTheStep, CardOnSave, SFTTrainer):
                     )
         return dataset.add_column(BEHAVIOR_LOGPS, values)
 
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
+        """
+        `Trainer`'s micro-batches of one optimizer step and what its loss is a mean over: their completion tokens
+        (`loss_normalization="token_mean"`, `Trainer`'s own count) or their completions (the other normalizations),
+        of every process with `average_tokens_across_devices`, so that no completion's weight depends on how the step
+        is split into micro-batches and processes.
+        """
+        batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self.args.loss_normalization != "token_mean":
+            num_items_in_batch = completions_in_step(self.accelerator, self.args, batch_samples, device)
+        return batch_samples, num_items_in_batch
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = "train" if self.model.training else "eval"
         per_token_logps, completion_mask, outputs = completion_logps(model, inputs)
         behavior_logps = inputs["behavior_logps"]
         if behavior_logps.dim() == 2:  # per-token values sit at their tokens' positions; log-probs are shifted by one
             behavior_logps, _ = completion_rows(behavior_logps[:, 1:], inputs)
-        # In training, `Trainer` counts the completion tokens of the whole accumulated batch (of every process, with
-        # `average_tokens_across_devices`): a token mean over it makes the update independent of how the batch is
-        # split into micro-batches and processes, as in TRL's SFT.
-        token_mean_over_batch = mode == "train" and num_items_in_batch is not None
+        # In training, the mean is over the whole optimizer step's completions or tokens (`get_batch_samples`): the
+        # update does not depend on how the step is split into micro-batches and processes, as in TRL's SFT.
+        over_step = mode == "train" and num_items_in_batch is not None
         loss, metrics = topr_loss(
             per_token_logps,
             completion_mask,
             inputs["rewards"],
             behavior_logps,
             baseline=self.baseline,
-            num_items_in_batch=num_items_in_batch if token_mean_over_batch else None,
+            num_items_in_batch=num_items_in_batch if over_step else None,
             **self.args.loss_options(),
         )
         if mode == "train":  # `loss_is_scaled_for_ga`: the scaling for accumulation and processes is done here
-            if self.args.loss_normalization == "token_mean" and token_mean_over_batch:
+            if over_step:
                 if self.args.average_tokens_across_devices:  # the count spans every process, and DDP averages
                     loss = loss * self.accelerator.num_processes
-            else:  # a mean over this micro-batch's sequences (or tokens): average the micro-batches
-                # (set by `Trainer.train`; a direct call outside it gets the configured value)
-                loss = loss / getattr(
-                    self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps
-                )
+            else:  # a direct call outside `Trainer.train`: a mean over this micro-batch, one of the configured ones
+                loss = loss / self.args.gradient_accumulation_steps
         entropy, _ = completion_rows(outputs.entropy[:, 1 - inputs["input_ids"].size(1) :].detach(), inputs)
         metrics["entropy"] = torch.where(completion_mask, entropy, 0.0).sum() / completion_mask.sum().clamp(min=1)
         record_metrics(self.accelerator, self._metrics[mode], metrics)
