@@ -105,9 +105,10 @@ def trainer_class(trl_loss: bool):
     return type("TRLLossTrainer", (TOPRAsyncGRPOTrainer,), {"compute_loss": AsyncGRPOTrainer.compute_loss})
 
 
-def budgeted_worker(base, budget: int, normalise: bool):
-    """A `SamplerRolloutWorker` that stops the run once it has sampled `budget` completions, and (`normalise`) gives
-    GRPO's group-normalised advantages, as TRL's own worker does."""
+def budgeted_worker(base, budget: int):
+    """A `SamplerRolloutWorker` that stops the run once it has sampled `budget` completions. Its samples carry GRPO's
+    group-normalised advantages, as TRL's own worker's do (what TRL's loss trains), and their rewards (from which
+    TOPR's trainer computes R - c)."""
 
     class Budgeted(base):
         def rollout(self) -> list:
@@ -116,17 +117,6 @@ def budgeted_worker(base, budget: int, normalise: bool):
             samples = super().rollout()
             self.generated += len(samples)
             return samples
-
-        def advantages(self, rewards: list[float], per_prompt: int) -> list[float]:
-            if not normalise:
-                return super().advantages(rewards, per_prompt)
-            out = []
-            for start in range(0, len(rewards), per_prompt):
-                group = rewards[start : start + per_prompt]
-                mean = statistics.fmean(group)
-                std = statistics.pstdev(group)
-                out += [(r - mean) / (std + 1e-8) for r in group]
-            return out
 
     return Budgeted
 
@@ -184,7 +174,7 @@ def run(setting: dict, arm: str, lr: float, lag: int, seed: int, folder: Path) -
         **options,
     )
     tokenizer = AutoTokenizer.from_pretrained(setting["model"])
-    base = budgeted_worker(SamplerRolloutWorker, setting["budget"], normalise=trl_loss)
+    base = budgeted_worker(SamplerRolloutWorker, setting["budget"])
     prompts = Dataset.from_list(order)
     worker = base.from_config(setting["model"], tokenizer, prompts, reversal_reward, args)
     worker.generated = 0

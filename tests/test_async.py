@@ -11,8 +11,9 @@ from conftest import DEVICES
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
-from trl_topr import TOPRArguments, topr_loss
+from trl_topr import TOPRArguments, baseline_for_positive_fraction, topr_loss
 from trl_topr.async_grpo import (
+    MODEL_VERSION,
     UNBOUNDED_STALENESS,
     AsyncGRPOConfig,
     AsyncGRPOTrainer,
@@ -20,6 +21,8 @@ from trl_topr.async_grpo import (
     SamplerRolloutWorker,
     TOPRAsyncGRPOConfig,
     TOPRAsyncGRPOTrainer,
+    grpo_advantages,
+    per_sample,
 )
 
 
@@ -139,22 +142,27 @@ def plain_logps(path: str, samples: list) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_loss_of_a_packed_batch_is_topr_loss_on_its_sequences(tiny_model_path, tmp_path, device):
+@pytest.mark.parametrize("advantages", ["topr", "worker"])
+def test_the_loss_of_a_packed_batch_is_topr_loss_on_its_sequences(tiny_model_path, tmp_path, device, advantages):
     # A custom worker's samples, packed by TRL into one trie: the trainer's loss is `topr_loss` with the ratio at the
-    # sequence level on the same sequences, computed from a plain padded forward; its tree attention (FlashAttention-3
-    # where it loads, else PyTorch's) gives their log-probs; and a loss computed per token (TRL's way) would differ
+    # sequence level on the same sequences, computed from a plain padded forward, with TOPR's baseline over the
+    # step's rewards (target 0.5: the c whose effective positive fraction is 0.5, logged) or, turned on, the worker's
+    # own advantages; its tree attention (FlashAttention-3 where it loads, else PyTorch's) gives their log-probs; and
+    # a loss computed per token (TRL's way) would differ
     samples = made_samples()
+    options = {"use_worker_advantages": True} if advantages == "worker" else {"target_positive_fraction": 0.5}
     trainer = TOPRAsyncGRPOTrainer(
         tiny_model_path,
-        args=async_args(tmp_path, use_cpu=device == "cpu"),
+        args=async_args(tmp_path, use_cpu=device == "cpu", **options),
         train_dataset=prompts(),
         rollout_worker=ListWorker(samples),
         weight_transfer=NoTransfer(),
     )
     trainer.current_gradient_accumulation_steps = 1
-    batch = next(iter(trainer.get_train_dataloader()))
+    (batch,), count = trainer.get_batch_samples(iter(trainer.get_train_dataloader()), 1, trainer.model.device)
+    assert count == len(samples)  # the step's samples: what the sequence mean is over
     assert int(batch["input_ids"].shape[1]) < sum(len(s.input_ids) for s in samples)  # the shared prompts: packed
-    loss = trainer.compute_loss(trainer.model, batch)
+    loss = trainer.compute_loss(trainer.model, batch, num_items_in_batch=count)
 
     logps, mask = (t.to(trainer.model.device) for t in plain_logps(tiny_model_path, samples))
     selected = batch["token_index"] >= 0
@@ -166,14 +174,24 @@ def test_the_loss_of_a_packed_batch_is_topr_loss_on_its_sequences(tiny_model_pat
     for i, sample in enumerate(samples):
         old = torch.tensor(sample.old_log_probs)[torch.tensor(sample.completion_mask) == 1]
         behavior[i, : len(old)] = old
-    advantages = torch.tensor([s.advantage for s in samples], device=logps.device)
+    if advantages == "worker":
+        rewards, c = torch.tensor([s.advantage for s in samples], device=logps.device), 0.0
+    else:
+        rewards = torch.tensor([s.metrics["reward"] for s in samples], device=logps.device)
+        c = baseline_for_positive_fraction(rewards.tolist(), 0.5)
+        assert c != 0.0 and not torch.equal(rewards, torch.tensor([s.advantage for s in samples]).to(rewards))
     options = trainer.args.loss_options()
-    expected, _ = topr_loss(logps, mask, advantages, behavior, **options)
+    expected, _ = topr_loss(logps, mask, rewards, behavior, baseline=c, **options)
     assert abs(loss.item() - expected.item()) < tolerance
-    per_token, _ = topr_loss(logps, mask, advantages, behavior, **(options | {"ratio_level": "token"}))
+    per_token, _ = topr_loss(logps, mask, rewards, behavior, baseline=c, **(options | {"ratio_level": "token"}))
     assert abs(per_token.item() - expected.item()) > 1e-3  # the test tells the two apart
-    weights = trainer._metrics["train"]["negative_weight_mean"]
+    logged = trainer._metrics["train"]
+    weights = logged["negative_weight_mean"]
     assert weights and 0 < weights[0][0] / weights[0][1] < 1  # the negatives are tapered: pi/mu < 1 for them
+    if advantages == "topr":
+        (baseline,), (fraction,) = logged["baseline"], logged["effective_positive_fraction"]
+        assert math.isclose(baseline[0] / baseline[1], c, rel_tol=1e-5)
+        assert math.isclose(fraction[0] / fraction[1], 0.5, rel_tol=1e-4)
 
 
 def test_stale_samples_are_kept_by_default_and_a_bound_drops_them(tiny_model_path, tmp_path):
@@ -228,18 +246,20 @@ def test_in_process_rollouts_draw_from_the_policy_lag_versions_back(tiny_model_p
     assert worker.next_prompt == (5 + 1) * 4 // 2  # two prompts a rollout, none twice, one batch read ahead
 
 
-def test_the_worker_centres_rewards_with_topr_baselines():
-    worker = object.__new__(SamplerRolloutWorker)
-    worker.baseline, worker.target_positive_fraction, worker.group_baseline = None, None, False
-    rewards = [1.0, -1.0, -1.0, -1.0]
-    assert worker.advantages(rewards, 2) == rewards  # baseline 0
-    worker.baseline = 0.5
-    assert worker.advantages(rewards, 2) == [0.5, -1.5, -1.5, -1.5]
-    worker.baseline, worker.target_positive_fraction = None, 0.5
-    centred = worker.advantages(rewards, 2)
-    assert math.isclose(sum(a for a in centred if a >= 0), -sum(a for a in centred if a < 0))  # half the weight
-    worker.target_positive_fraction, worker.group_baseline = None, True
-    assert worker.advantages(rewards, 2) == [1.0, -1.0, 0.0, 0.0]
+def test_the_in_process_worker_fills_samples_as_trls_worker_and_topr_reads_a_groups_centred_reward():
+    # GRPO's advantage (R - mean) / (std + 1e-8) and the group's std, as TRL's worker records them: what TOPR reads
+    # back as R - mean for `group_baseline`; an unscored completion gets advantage 0
+    rewards = [1.0, -1.0, -1.0, -1.0, 2.0, math.nan]
+    advantages, spreads = grpo_advantages(rewards, 2)
+    assert advantages[:4] == pytest.approx([1.0, -1.0, 0.0, 0.0]) and spreads[:4] == [1.0, 1.0, 0.0, 0.0]
+    assert advantages[4:] == [0.0, 0.0]
+    centred = [
+        per_sample({"advantage": a, "metrics": {MODEL_VERSION: 3.0, "reward": r, "reward_std": s}})[2]
+        for a, r, s in zip(advantages, rewards, spreads)
+    ]
+    assert centred[:5] == pytest.approx([1.0, -1.0, 0.0, 0.0, 0.0])
+    with pytest.raises(ValueError, match="no `reward` among its `metrics`.*use_worker_advantages"):
+        per_sample({"advantage": 1.0, "metrics": {MODEL_VERSION: 3.0}})
 
 
 def test_the_configuration_takes_topr_options_once_and_checks_them(tmp_path):

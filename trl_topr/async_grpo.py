@@ -30,7 +30,7 @@ from datasets import Dataset
 from transformers import AttentionInterface, AutoTokenizer
 from trl.trainer.utils import create_model_from_path
 
-from .baseline import baseline_for_positive_fraction
+from .baseline import topr_baseline
 from .config import TOPRArguments
 from .data import BEHAVIOR_LOGPS, COMPLETION_IDS, PROMPT_IDS, REWARD, TOOL_MASK
 from .distributed import NamesTheStep
@@ -57,8 +57,10 @@ logger = get_logger(__name__)
 UNBOUNDED_STALENESS = 2**31 - 1
 # TRL's default `max_staleness`, with which it sizes the number of generations in flight
 TRL_MAX_STALENESS = AsyncGRPOConfig.__dataclass_fields__["max_staleness"].default
-VERSIONS = "segment_version"  # the batch's key: the policy version that drew each packed sample
-NO_SAMPLE = -(2**31)  # its padding
+# The batch's key of each packed sample's (policy version that drew it, reward, reward less its group's mean), a
+# (samples, 3) tensor per process, padded with NaN
+SAMPLES = "topr_samples"
+ADVANTAGES, BASELINES = "topr_advantages", "topr_baselines"  # each sample's R - c and c (`get_batch_samples`)
 
 
 @dataclass
@@ -76,9 +78,11 @@ class TOPRAsyncGRPOConfig(TOPRArguments, AsyncGRPOConfig):
             Drop samples drawn more than this many policy versions (weight syncs) ago, as TRL does (its default: 4).
             `None` (the default) keeps every sample: TOPR's taper bounds what a stale negative weighs, and a stale
             positive is still a good answer. Stored as a very large integer, which TRL compares.
-        group_baseline (`bool`, *optional*, defaults to `False`):
-            [`SamplerRolloutWorker`]: centre each reward on the mean reward of its prompt's `num_generations`
-            completions (GRPO's baseline, without its scaling), instead of `baseline` / `target_positive_fraction`.
+        use_worker_advantages (`bool`, *optional*, defaults to `False`):
+            Train each sample's `advantage` as the rollout worker filled it (TRL's worker: GRPO's group-normalised
+            (R - mean) / std) instead of TOPR's R - c, which the trainer otherwise computes from each sample's reward
+            over an optimizer step's samples ([`~trl_topr.topr_advantages`] with `baseline`,
+            `target_positive_fraction` or `group_baseline`), whatever the worker.
         in_process_rollouts (`bool`, *optional*, defaults to `False`):
             Sample in the training process with a [`SamplerRolloutWorker`] (transformers' `generate`), instead of
             TRL's worker on a vLLM server (`vllm_server_base_url`): for CPU runs and tests, one process.
@@ -97,8 +101,9 @@ class TOPRAsyncGRPOConfig(TOPRArguments, AsyncGRPOConfig):
             "default): keep every sample, TOPR's taper bounds their weight."
         },
     )
-    group_baseline: bool = field(
-        default=False, metadata={"help": "Centre each reward on the mean reward of its prompt's completions."}
+    use_worker_advantages: bool = field(
+        default=False,
+        metadata={"help": "Train the worker's own advantages (TRL's: GRPO's) instead of TOPR's R - c."},
     )
     in_process_rollouts: bool = field(
         default=False,
@@ -114,6 +119,13 @@ class TOPRAsyncGRPOConfig(TOPRArguments, AsyncGRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.use_worker_advantages and (
+            self.baseline is not None or self.target_positive_fraction is not None or self.group_baseline
+        ):
+            raise ValueError(
+                "`use_worker_advantages` trains the worker's advantages as they are: TOPR's baseline options "
+                "(`baseline`, `target_positive_fraction`, `group_baseline`) would not be used. Set one or the other."
+            )
         if self.rollout_lag < 0:
             raise ValueError(f"`rollout_lag` must be >= 0, got {self.rollout_lag}.")
         if self.max_staleness is None or self.max_staleness >= UNBOUNDED_STALENESS:
@@ -224,9 +236,11 @@ class TOPRAsyncGRPOTrainer(NamesTheStep, CardOnSave, AsyncGRPOTrainer):
     importance weights are logged by staleness (`staleness_<k>/...`: effective sample size, clamped fraction, mean
     weight of positives and of negatives, ...).
 
-    The worker is TRL's (a vLLM server; its advantages are GRPO's group-normalised ones, trained as they are), an
-    injected one (its `advantage` is trained as R - c), or with `args.in_process_rollouts` a [`SamplerRolloutWorker`]
-    in this process, which centres rewards with TOPR's `baseline`, `target_positive_fraction` or `group_baseline`.
+    The worker is TRL's (a vLLM server), an injected one, or with `args.in_process_rollouts` a
+    [`SamplerRolloutWorker`] in this process. Whatever the worker, each sample is trained with TOPR's R - c, from the
+    reward it carries, over the samples of its optimizer step ([`~TOPRAsyncGRPOTrainer.get_batch_samples`]:
+    `baseline`, `target_positive_fraction` or `group_baseline`); `args.use_worker_advantages` trains the worker's own
+    `advantage` instead (TRL's: GRPO's group-normalised one).
     Where FlashAttention-3 cannot be loaded, the packed attention runs in PyTorch ([`tree_attention`]).
 
     Args:
@@ -353,11 +367,42 @@ class TOPRAsyncGRPOTrainer(NamesTheStep, CardOnSave, AsyncGRPOTrainer):
         ) from error
 
     def get_train_dataloader(self):
-        # TRL's loader, its batches with each sample's staleness where the loss sees it (the logs by staleness)
+        # TRL's loader, its batches with each sample's version and reward where the loss sees them
         loader = super().get_train_dataloader()
         base = getattr(loader, "base_dataloader", loader)  # accelerate's dispatcher iterates the loader it wraps
-        base.collate_fn = _WithVersions(base.collate_fn)
+        base.collate_fn = _PerSample(base.collate_fn)
         return loader
+
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
+        """
+        The micro-batches of one optimizer step, each sample with TOPR's advantage R - c over the step's samples (of
+        every process): c from `baseline`, `target_positive_fraction` (the step's samples' composition, as the offline
+        trainer's is its dataset's) or `group_baseline` (the prompt's samples, from what TRL's worker records), from
+        the reward each sample carries, whatever the worker ([`~trl_topr.topr_advantages`]). An optimizer step is
+        what one update trains on, and every process sees the same samples of it. Also what the loss is a mean over:
+        the step's samples, or their trained tokens (`loss_normalization="token_mean"`), so that no sample's weight
+        depends on the micro-batch, token budget or process it lands in.
+        """
+        batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if not batches:
+            return batches, None
+        mine = [samples_of(batch) for batch in batches]
+        local = torch.cat(mine).cpu()
+        every = gather_object([local.tolist()]) if self.accelerator.num_processes > 1 else [local.tolist()]
+        step = torch.tensor([row for rank in every for row in rank], dtype=torch.float64).reshape(-1, 3)
+        if self.args.group_baseline:
+            c = (step[:, 1] - step[:, 2]).nanmean().item() if len(step) else 0.0  # the mean of the groups' means
+        else:
+            c = topr_baseline(
+                step[:, 1], baseline=self.args.baseline, target_positive_fraction=self.args.target_positive_fraction
+            )
+        for batch, samples in zip(batches, mine, strict=True):
+            rewards, centred = samples[:, 1], samples[:, 2] if self.args.group_baseline else samples[:, 1] - c
+            batch[ADVANTAGES] = torch.nan_to_num(centred).to(device)  # 0 for a sample no reward function scored
+            batch[BASELINES] = (rewards - centred).to(device)  # each sample's c, for the logs
+        if self.args.loss_normalization == "token_mean":
+            return batches, sum(float(batch["global_n_tokens"][0]) for batch in batches)
+        return batches, float(len(step))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         selected = inputs["token_index"] >= 0
@@ -370,16 +415,25 @@ class TOPRAsyncGRPOTrainer(NamesTheStep, CardOnSave, AsyncGRPOTrainer):
 
         per_token, behavior = laid_out(log_probs), laid_out(inputs["old_log_probs"][selected].to(log_probs.dtype))
         mask = laid_out(torch.ones_like(log_probs)).bool()
-        advantages = log_probs.new_zeros(shape[0]).index_put(
-            (rows,), inputs["advantages"][selected].to(log_probs.dtype)
-        )
-        tokens = None  # `token_mean`: over the trained tokens of every process, as TRL normalises
-        if self.args.loss_normalization == "token_mean":
-            tokens = (inputs["global_n_tokens"][0] / self.accelerator.num_processes).clamp(min=1.0)
+        if self.args.use_worker_advantages or ADVANTAGES not in inputs:  # the worker's, as it filled them
+            advantages = log_probs.new_zeros(shape[0]).index_put(
+                (rows,), inputs["advantages"][selected].to(log_probs.dtype)
+            )
+        else:  # TOPR's R - c, over the optimizer step (`get_batch_samples`)
+            advantages = inputs[ADVANTAGES].to(log_probs.dtype)
+        # a mean over the step's samples (or trained tokens) of every process, which DDP averages: no sample's weight
+        # depends on the micro-batch or process it lands in (TRL scales for accumulation in the loss)
+        if num_items_in_batch is not None:
+            count = torch.as_tensor(num_items_in_batch, dtype=log_probs.dtype) / self.accelerator.num_processes
+        else:  # a call outside the training loop: this micro-batch's own mean, one of the step's
+            count = None
         loss, metrics = topr_loss(
-            per_token, mask, advantages, behavior, baseline=0.0, num_items_in_batch=tokens, **self.args.loss_options()
+            per_token, mask, advantages, behavior, baseline=0.0, num_items_in_batch=count, **self.args.loss_options()
         )
-        loss = loss / self.current_gradient_accumulation_steps  # TRL scales for accumulation in the loss
+        if count is None:
+            loss = loss / self.current_gradient_accumulation_steps
+        if BASELINES in inputs and len(inputs[BASELINES]):
+            metrics["baseline"] = inputs[BASELINES].float().nanmean()  # what the loss's R - c was centred on
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * self._aux_loss / self.current_gradient_accumulation_steps
         log_ratio = torch.where(mask, per_token.detach() - behavior, 0.0).sum(-1)
@@ -413,9 +467,13 @@ class TOPRAsyncGRPOTrainer(NamesTheStep, CardOnSave, AsyncGRPOTrainer):
         local |= {"entropy": entropy.float().mean().item(), "count/tokens": float(entropy.numel())}
         # each sample's version, and the version being trained: TRL's own count of the policy's versions, which only
         # the main process keeps (it syncs the weights), also after a resume (the checkpoint's, then its cold sync)
-        versions = inputs[VERSIONS][inputs[VERSIONS] != NO_SAMPLE] if VERSIONS in inputs else inputs["advantages"][:0]
-        rows = list(zip(versions.tolist(), log_ratio.tolist(), advantages.tolist()))
-        rows = rows if len(versions) == len(log_ratio) else []
+        samples = samples_of(inputs)
+        if len(samples) != len(log_ratio):
+            raise RuntimeError(
+                f"The batch holds {len(log_ratio)} packed samples and {len(samples)} recorded versions: TRL's packing "
+                "no longer keeps its samples in the order the collator receives them."
+            )
+        rows = list(zip(samples[:, 0].long().tolist(), log_ratio.tolist(), advantages.tolist()))
         mine = (local, rows, self.model_version)
         every = gather_object([mine]) if self.accelerator.num_processes > 1 else [mine]
         for values, _, _ in every:
@@ -485,19 +543,55 @@ def _segment_positions(segment: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return rows, positions
 
 
-class _WithVersions:
-    # TRL's collator, with the policy version that drew each packed sample (stamped among its metrics as the trainer
-    # reads it from the queue) as a (num_processes, samples) tensor, padded with NO_SAMPLE
+class _PerSample:
+    # TRL's collator, with each packed sample's (version that drew it, reward, reward less its group's mean) as a
+    # (num_processes, samples, 3) tensor, padded with NaN: the version stamped among its metrics as the trainer reads
+    # it from the queue, the reward and the group's spread as TRL's worker records them among its metrics
     def __init__(self, collate: Callable):
         self.collate = collate
 
     def __call__(self, examples):
         batch = self.collate(examples)
         (rows,) = examples
-        versions = [[int(sample["metrics"][MODEL_VERSION]) for sample in row.samples] for row in rows]
-        width = max(len(row) for row in versions)
-        batch[VERSIONS] = torch.tensor([row + [NO_SAMPLE] * (width - len(row)) for row in versions])
+        values = [[per_sample(sample) for sample in row.samples] for row in rows]
+        width = max(len(row) for row in values)
+        nan = (math.nan,) * 3
+        batch[SAMPLES] = torch.tensor([row + [nan] * (width - len(row)) for row in values], dtype=torch.float64)
         return batch
+
+
+def samples_of(batch: dict) -> torch.Tensor:
+    # This process's samples of a batch, (samples, 3): the dispatched row of `SAMPLES`, its padding dropped
+    values = batch[SAMPLES].reshape(-1, 3)
+    return values[~torch.isnan(values[:, 0])]
+
+
+def per_sample(sample: dict) -> tuple[float, float, float]:
+    """
+    What TOPR reads of a sample of TRL's asynchronous trainer (as its dataset yields it): the policy version that drew
+    it, its reward, and its reward less the mean reward of its group (the prompt's samples). TRL's worker records the
+    reward and the group's standard deviation among the sample's metrics and gives it GRPO's advantage
+    (R - mean) / (std + 1e-8), from which R - mean is recovered.
+
+    Args:
+        sample (`dict`):
+            A sample as TRL's rollout dataset yields it (`advantage`, `metrics`).
+
+    Returns:
+        `tuple[float, float, float]`: version, reward, reward less its group's mean (NaN where unscored).
+    """
+    metrics = sample["metrics"]
+    if "reward" not in metrics:
+        raise ValueError(
+            "A rollout sample carries no `reward` among its `metrics`, from which TOPR's R - c is computed: give "
+            "each sample its reward there, as TRL's worker does, or set `use_worker_advantages=True` to train the "
+            "worker's `advantage` as it is."
+        )
+    centred = sample["advantage"] * (metrics.get("reward_std", math.nan) + GRPO_STD_EPSILON)
+    return float(metrics[MODEL_VERSION]), float(metrics["reward"]), float(centred)
+
+
+GRPO_STD_EPSILON = 1e-8  # TRL's worker: advantage = (R - mean) / (std + 1e-8)
 
 
 MODEL_VERSION = "sample/model_version"  # a sample's metric: the policy version that drew it (logged as a mean too)
@@ -568,8 +662,9 @@ class SamplerRolloutWorker:
     A rollout worker of TRL's asynchronous trainer (TRL's `RolloutWorkerProtocol`) in the training process, over a
     [`~trl_topr.Sampler`]: when the trainer finds the queue empty, it samples the next prompts (never one twice, in
     order) with the policy `lag` versions back (the earliest version while there are fewer), scores them, records
-    their behavior log-probs (mu) per token, and gives each sample its centred reward R - c as its advantage, with c
-    from `baseline`, `target_positive_fraction` (over the prompts sampled together) or `group_baseline`. Each version's
+    their behavior log-probs (mu) per token, and fills each sample as TRL's worker does: its reward and its group's
+    standard deviation among its metrics, GRPO's (R - mean) / std as its advantage (the trainer trains TOPR's R - c
+    from the reward, unless told to train the worker's advantage). Each version's
     weights come through its own weight transfer (`weight_transfer`), which [`TOPRAsyncGRPOTrainer`] uses. One process
     only: it samples where the trainer takes its batches, synchronously, so staleness is set by `lag` alone.
 
@@ -585,12 +680,6 @@ class SamplerRolloutWorker:
             Prompts sampled together.
         lag (`int`, *optional*, defaults to `0`):
             Versions back.
-        baseline (`float`, *optional*):
-            A constant c (0 by default).
-        target_positive_fraction (`float`, *optional*):
-            c such that the positives of the prompts sampled together carry this share of the weight.
-        group_baseline (`bool`, *optional*, defaults to `False`):
-            c is the mean reward of each prompt's samples.
     """
 
     def __init__(
@@ -601,9 +690,6 @@ class SamplerRolloutWorker:
         prompts_per_rollout: int,
         *,
         lag: int = 0,
-        baseline: float | None = None,
-        target_positive_fraction: float | None = None,
-        group_baseline: bool = False,
     ):
         if PartialState().num_processes > 1:
             raise ValueError("A `SamplerRolloutWorker` samples in one process: under several, use TRL's worker.")
@@ -611,11 +697,6 @@ class SamplerRolloutWorker:
             raise ValueError("A `SamplerRolloutWorker` needs a sampler with its own model and reward functions.")
         self.sampler, self.dataset, self.sampling, self.lag = sampler, dataset, sampling, lag
         self.prompts_per_rollout = prompts_per_rollout
-        self.baseline, self.target_positive_fraction, self.group_baseline = (
-            baseline,
-            target_positive_fraction,
-            group_baseline,
-        )
         self.rollout_buffer, self.metrics_queue = _OnDemand(self), queue.Queue()
         self.weight_transfer = _Snapshots(self)
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
@@ -640,7 +721,7 @@ class SamplerRolloutWorker:
                 The reward functions.
             args ([`TOPRAsyncGRPOConfig`]):
                 The configuration: sampling (`num_generations`, `temperature`, `top_p`, `top_k`,
-                `max_completion_length`, `seed`), `rollout_lag`, `rollout_prompts` and the baseline.
+                `max_completion_length`, `seed`), `rollout_lag` and `rollout_prompts`.
             tools (`list[Callable]`, *optional*):
                 Tools the policy may call.
             environment_factory (`Callable` or `dict[str, Callable]`, *optional*):
@@ -678,9 +759,6 @@ class SamplerRolloutWorker:
             sampling,
             prompts,
             lag=args.rollout_lag,
-            baseline=args.baseline,
-            target_positive_fraction=args.target_positive_fraction,
-            group_baseline=args.group_baseline,
         )
 
     def start(self) -> None:
@@ -720,36 +798,15 @@ class SamplerRolloutWorker:
         start = time.perf_counter()
         samples = self.sampler.sample(prompts, self.sampling.replace(seed=(self.sampling.seed or 0) + self.rollouts))
         self.rollouts += 1
-        advantages = self.advantages(samples[REWARD], self.sampling.num_samples)
-        self.metrics_queue.put({"rollout/seconds": time.perf_counter() - start, "rollout/version": float(version)})
         per_prompt = len(samples) // len(prompts)  # with environments too: one row per trajectory, prompt-major
+        advantages, spreads = grpo_advantages(samples[REWARD], per_prompt)
+        self.metrics_queue.put({"rollout/seconds": time.perf_counter() - start, "rollout/version": float(version)})
         out = [
-            self._rollout_sample(row, advantage, version, self.next_group + i // per_prompt)
-            for i, (row, advantage) in enumerate(zip(samples, advantages, strict=True))
+            self._rollout_sample(row, advantage, spread, version, self.next_group + i // per_prompt)
+            for i, (row, advantage, spread) in enumerate(zip(samples, advantages, spreads, strict=True))
         ]
         self.next_group += len(prompts)
         return out
-
-    def advantages(self, rewards: list[float], per_prompt: int) -> list[float]:
-        """
-        Each reward centred on the worker's baseline: R - c.
-
-        Args:
-            rewards (`list[float]`):
-                The rewards of prompts sampled together, `per_prompt` each, in order.
-            per_prompt (`int`):
-                Samples per prompt.
-
-        Returns:
-            `list[float]`: R - c for each.
-        """
-        if self.group_baseline:
-            means = [sum(rewards[i : i + per_prompt]) / per_prompt for i in range(0, len(rewards), per_prompt)]
-            return [r - means[i // per_prompt] for i, r in enumerate(rewards)]
-        c = self.baseline or 0.0
-        if self.target_positive_fraction is not None and len(set(rewards)) > 1:
-            c = baseline_for_positive_fraction(rewards, self.target_positive_fraction)
-        return [r - c for r in rewards]
 
     def _load(self, wanted: int) -> int:
         # The snapshot of version `wanted`, or the earliest one kept, in the sampler's model; its version
@@ -767,7 +824,7 @@ class SamplerRolloutWorker:
         self.next_prompt += self.prompts_per_rollout
         return self.dataset.select(indices)
 
-    def _rollout_sample(self, row: dict, advantage: float, version: int, group: int):
+    def _rollout_sample(self, row: dict, advantage: float, spread: float, version: int, group: int):
         # TRL's sample: the prompt and completion ids in one row, 1 on the policy's completion tokens, mu at the
         # positions of the tokens it scores
         prompt, completion = row[PROMPT_IDS], row[COMPLETION_IDS]
@@ -784,6 +841,30 @@ class SamplerRolloutWorker:
             advantage=float(advantage),
             model_version=version,
             group_id=group,
-            metrics={"reward": float(row[REWARD])},
+            metrics={"reward": float(row[REWARD]), "reward_std": spread},
             enqueued_at=time.time(),
         )
+
+
+def grpo_advantages(rewards: list[float], per_prompt: int) -> tuple[list[float], list[float]]:
+    """
+    What TRL's worker gives each sample: GRPO's advantage (R - mean) / (std + 1e-8) over its prompt's `per_prompt`
+    samples, and that standard deviation (NaN rewards left out; their advantage 0).
+
+    Args:
+        rewards (`list[float]`):
+            The rewards, `per_prompt` a prompt, in order.
+        per_prompt (`int`):
+            Samples a prompt.
+
+    Returns:
+        `tuple[list[float], list[float]]`: the advantages and each sample's group standard deviation.
+    """
+    advantages, spreads = [], []
+    for start in range(0, len(rewards), per_prompt):
+        group = np.asarray(rewards[start : start + per_prompt], dtype=float)
+        scored = group[~np.isnan(group)]
+        mean, std = (scored.mean(), scored.std()) if len(scored) else (math.nan, math.nan)
+        advantages += np.where(np.isnan(group), 0.0, (group - mean) / (std + GRPO_STD_EPSILON)).tolist()
+        spreads += [float(std)] * len(group)
+    return advantages, spreads
