@@ -139,3 +139,44 @@ def test_online_metrics_are_weighted_by_their_counts(tiny_model_path, tmp_path):
     logged = trainer.state.log_history[0]
     assert logged["effective_positive_fraction"] == pytest.approx(expected, rel=1e-6)
     assert logged["positive_fraction"] == pytest.approx((rewards >= 0).float().mean().item(), rel=1e-6)
+
+
+def one_online_sgd_step(model_path, output_dir, normalization, batch_size, accumulation):
+    # One optimizer step of the online trainer over one generation batch of 8 completions (2 prompts, 4 each),
+    # `accumulation` micro-batches of `batch_size`: plain SGD, so the update is the gradient itself
+    args = TOPRGRPOConfig(
+        output_dir=str(output_dir),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        num_generations=4,
+        per_device_train_batch_size=batch_size,
+        gradient_accumulation_steps=accumulation,
+        max_completion_length=8,
+        max_steps=1,
+        save_strategy="no",
+        activation_checkpointing=False,
+        optim="sgd",
+        learning_rate=1.0,
+        max_grad_norm=0.0,
+        loss_normalization=normalization,
+        seed=1,
+    )
+    prompts = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"What is {i} + 3?"}] for i in range(8)]})
+    varied_reward.seen = []
+    trainer = TOPRGRPOTrainer(model_path, varied_reward, args=args, train_dataset=prompts)
+    trainer.train()
+    return {name: p.detach().clone() for name, p in trainer.model.named_parameters()}, list(varied_reward.seen)
+
+
+@pytest.mark.parametrize("normalization", LOSS_NORMALIZATIONS)
+def test_online_micro_batches_update_like_one_batch(tiny_model_path, tmp_path, normalization):
+    # the same 8 completions (same seed, one generation batch), trained as one micro-batch of 8 or two of 4
+    whole, seen_whole = one_online_sgd_step(tiny_model_path, tmp_path / "8x1", normalization, 8, 1)
+    split, seen_split = one_online_sgd_step(tiny_model_path, tmp_path / "4x2", normalization, 4, 2)
+    assert seen_whole == seen_split and len(seen_whole) == 8
+    initial = TOPRTrainer(tiny_model_path, args=make_args(tmp_path / "init"), train_dataset=uneven_dataset()).model
+    moved = max((whole[n] - p).abs().max().item() for n, p in initial.named_parameters())
+    assert moved > 1e-3  # the step is large enough for a wrong scale to show
+    for name, value in whole.items():
+        torch.testing.assert_close(split[name], value, rtol=1e-4, atol=1e-6, msg=name)

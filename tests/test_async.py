@@ -1,5 +1,6 @@
 """TOPRAsyncGRPOTrainer: TOPR as the loss of TRL's asynchronous GRPO trainer, on a tiny Llama, on CPU and offline."""
 
+import dataclasses
 import math
 import queue
 import sys
@@ -23,6 +24,7 @@ from trl_topr.async_grpo import (
     TOPRAsyncGRPOTrainer,
     grpo_advantages,
     per_sample,
+    samples_of,
 )
 
 
@@ -286,3 +288,47 @@ def test_construction_leaves_trls_peak_flops_probe_as_it_was(tiny_model_path, tm
         weight_transfer=NoTransfer(),
     )
     assert module.get_peak_flops_per_device is probe and trainer._peak_flops_per_device is None
+
+
+def one_async_sgd_step(model_path, output_dir, normalization, **batching):
+    # One optimizer step over the same 4 samples (`made_samples`), batched as told: plain SGD, the update is the
+    # gradient itself; the number of samples in each micro-batch
+    args = async_args(
+        output_dir, max_steps=1, optim="sgd", learning_rate=1.0, max_grad_norm=0.0, loss_normalization=normalization
+    )
+    args = dataclasses.replace(args, **batching)
+    trainer = TOPRAsyncGRPOTrainer(
+        model_path,
+        args=args,
+        train_dataset=prompts(),
+        rollout_worker=ListWorker(made_samples()),
+        weight_transfer=NoTransfer(),
+    )
+    counts = []
+    original = trainer.get_batch_samples
+
+    def counted(*arguments):
+        batches, count = original(*arguments)
+        counts.extend(len(samples_of(batch)) for batch in batches)
+        return batches, count
+
+    trainer.get_batch_samples = counted
+    initial = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.train()
+    after = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    assert max((after[n] - p).abs().max().item() for n, p in initial.items()) > 1e-3  # large enough to tell scales
+    return after, counts
+
+
+@pytest.mark.parametrize("normalization", ["sequence_length", "token_mean", "sum"])
+def test_a_token_budgets_uneven_micro_batches_update_like_one_batch(tiny_model_path, tmp_path, normalization):
+    # The same 4 samples as one micro-batch of 4, or packed by TRL's token budget (14 tokens a row) into micro-batches
+    # of 1, 1 and 2 samples: each sample weighs the same in the update
+    whole, counts = one_async_sgd_step(tiny_model_path, tmp_path / "one", normalization, per_device_train_batch_size=4)
+    assert counts == [4]
+    budget, counts = one_async_sgd_step(
+        tiny_model_path, tmp_path / "budget", normalization, token_budget=14, gradient_accumulation_steps=3
+    )
+    assert counts == [1, 1, 2]
+    for name, value in whole.items():
+        torch.testing.assert_close(budget[name], value, rtol=1e-4, atol=1e-6, msg=name)

@@ -15,7 +15,7 @@ from .config import TOPRArguments
 from .distributed import NamesTheStep
 from .generation.vllm_engine import TOPRVLLMGeneration
 from .loss import topr_loss
-from .trainer import TOPRTrainer, record_metrics, with_logged_metrics
+from .trainer import CardOnSave, TOPRTrainer, record_metrics, with_logged_metrics
 
 
 # Options of GRPO's own loss, which TOPR's loss replaces, with the value that leaves them off.
@@ -83,7 +83,7 @@ def _replaced(module, name: str, value):
         setattr(module, name, original)
 
 
-class TOPRGRPOTrainer(NamesTheStep, GRPOTrainer):
+class TOPRGRPOTrainer(NamesTheStep, CardOnSave, GRPOTrainer):
     r"""
     Online Tapered Off-Policy REINFORCE: [`~trl.GRPOTrainer`] with the TOPR loss, from [Tapered Off-Policy REINFORCE:
     Stable and efficient reinforcement learning for LLMs](https://huggingface.co/papers/2503.14286).

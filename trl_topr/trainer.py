@@ -218,8 +218,9 @@ def with_logged_metrics(logs: dict[str, float], store: dict[str, dict[str, list[
 
 
 class CardOnSave:
-    """What the TOPR trainers add to their TRL trainer's `save_model`: a model card naming TOPR wherever the model is
-    saved (first among the bases, ahead of the TRL trainer)."""
+    """What every TOPR trainer adds to its TRL trainer (first among the bases, ahead of it): TOPR's model card (TRL's
+    card with the trainer's tags, name and the TOPR citation, naming a base model TRL cannot link), written wherever
+    the model is saved."""
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """
@@ -232,6 +233,32 @@ class CardOnSave:
         super().save_model(output_dir, _internal_call)
         if not _internal_call:  # checkpoints and `push_to_hub` write their own card
             save_model_card(self, output_dir or self.args.output_dir)
+
+    def create_model_card(
+        self, model_name: str | None = None, dataset_name: str | None = None, tags: str | list[str] | None = None
+    ):
+        """
+        Write the model card to `args.output_dir`: TRL's card (tags `trl` and `topr`, the TOPR citation), naming the
+        base model where TRL's card can only link a Hub id: a local folder, or a GGUF file converted by trl-topr.
+
+        Args:
+            model_name (`str`, *optional*):
+                Name of the model.
+            dataset_name (`str`, *optional*):
+                Name of the dataset used for training.
+            tags (`str` or `list[str]`, *optional*):
+                Tags of the card, besides `trl` and `topr`.
+        """
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        if not self.is_world_process_zero():
+            return
+        path = Path(self.args.output_dir) / "README.md"
+        text = path.read_text()
+        # TRL renders a base model it cannot link (not a Hub id) as "None", and a model not pushed as `model="None"`.
+        base = base_model_name(self.accelerator.unwrap_model(self.model).config)
+        text = text.replace("[None](https://huggingface.co/None)", f"`{base}`")
+        text = text.replace('model="None"', f'model="{self.hub_model_id or self.args.output_dir}"')
+        path.write_text(text)
 
 
 class TOPRTrainer(NamesTheStep, CardOnSave, SFTTrainer):
@@ -598,29 +625,3 @@ class TOPRTrainer(NamesTheStep, CardOnSave, SFTTrainer):
         if "baseline" in logs and self.args.target_positive_fraction is not None:
             logs["target_positive_fraction"] = self.args.target_positive_fraction
         super(SFTTrainer, self).log(logs, start_time)
-
-    def create_model_card(
-        self, model_name: str | None = None, dataset_name: str | None = None, tags: str | list[str] | None = None
-    ):
-        """
-        Write the model card to `args.output_dir`: TRL's card (tags `trl` and `topr`, the TOPR citation), naming the
-        base model where TRL's card can only link a Hub id: a local folder, or a GGUF file converted by trl-topr.
-
-        Args:
-            model_name (`str`, *optional*):
-                Name of the model.
-            dataset_name (`str`, *optional*):
-                Name of the dataset used for training.
-            tags (`str` or `list[str]`, *optional*):
-                Tags of the card, besides `trl` and `topr`.
-        """
-        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
-        if not self.is_world_process_zero():
-            return
-        path = Path(self.args.output_dir) / "README.md"
-        text = path.read_text()
-        # TRL renders a base model it cannot link (not a Hub id) as "None", and a model not pushed as `model="None"`.
-        base = base_model_name(self.model.config)
-        text = text.replace("[None](https://huggingface.co/None)", f"`{base}`")
-        text = text.replace('model="None"', f'model="{self.hub_model_id or self.args.output_dir}"')
-        path.write_text(text)
