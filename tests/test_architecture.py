@@ -4,6 +4,7 @@ that a change that breaks a rule fails here, naming the module and the import.""
 import ast
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -307,3 +308,13 @@ def test_a_long_function_is_caught(tmp_path):
     path = tmp_path / "long.py"
     path.write_text(f'def long():\n    """Doc."""\n\n    # a comment\n{body}\n\n\ndef short():\n    return 1\n')
     assert long_functions([path]) == [f"long.py:1 long ({MOST_LINES + 1} lines)"]
+
+
+def test_importing_the_package_loads_no_script_and_no_fixture():
+    # `import trl_topr` loads the library: not the command-line scripts, the embedded default model, nor the tests'
+    # helpers (each of which a script or a recipe imports itself)
+    code = "import sys, trl_topr; print(' '.join(sorted(m for m in sys.modules if m.startswith('trl_topr'))))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert "trl_topr.loss" in loaded and "trl_topr.trainer" in loaded  # the check reads what was loaded
+    unwanted = [m for m in loaded if m.startswith(("trl_topr.scripts", "trl_topr.embedded", "trl_topr.testing"))]
+    assert not unwanted, unwanted

@@ -4,7 +4,7 @@ __version__ = "0.1.0"
 
 from typing import TYPE_CHECKING
 
-from .quiet import silence_unactionable_notices
+from .quiet import show_messages, silence_unactionable_notices
 
 
 silence_unactionable_notices()  # before PEFT imports bitsandbytes and accelerate imports DeepSpeed
@@ -31,7 +31,6 @@ from .rewards import (
 )
 from .rollout import Trajectories, with_tool_template
 from .sampling import Rollout, Sampler, evaluate_policy, generate_completions, sample_completions, score_completions
-from .scripts.utils import show_messages
 from .trainer import TOPRTrainer
 from .verifier import verifier_prompts
 

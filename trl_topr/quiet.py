@@ -7,7 +7,8 @@
   CPU. If you have GPU or other accelerator, we were unable to detect it.` when it finds no accelerator. Filtered only
   when PyTorch sees none either: where PyTorch sees one that DeepSpeed missed, the warning stays.
 
-Every other record of these loggers passes, warnings included.
+Every other record of these loggers passes, warnings included. [`show_messages`] is the other way round: it shows
+this library's own messages, which Python's logging would leave out below a warning.
 """
 
 import logging
@@ -42,3 +43,17 @@ def silence_unactionable_notices() -> None:
         logger = logging.getLogger(name)
         if notice not in logger.filters:
             logger.addFilter(notice)
+
+
+def show_messages() -> None:
+    """
+    Print this library's messages (logger `trl_topr`, level INFO and above) with their time, as the `trl-topr`
+    commands and the recipes do: the precision chosen and why, the loop's progress. Python's logging shows only
+    warnings without this. Where the logger already has a handler (a second call, or the user's own), none is added.
+    """
+    logger = logging.getLogger("trl_topr")
+    logger.setLevel(logging.INFO)
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", "%H:%M:%S"))
+        logger.addHandler(handler)

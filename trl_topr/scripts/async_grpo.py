@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from trl import ModelConfig
 
-from trl_topr.scripts.utils import show_messages
+from trl_topr.quiet import show_messages
 
 
 @dataclass

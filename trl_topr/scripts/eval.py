@@ -39,6 +39,7 @@ Without the launcher: `python -m trl_topr.scripts.eval ...`, or `accelerate laun
 
 from dataclasses import dataclass, field
 
+from trl_topr.quiet import show_messages
 from trl_topr.scripts.utils import (
     SAMPLING_SCRIPT_DEFAULTS,
     PromptArguments,
@@ -46,7 +47,6 @@ from trl_topr.scripts.utils import (
     load_prompts,
     model_init_kwargs,
     resolve_model,
-    show_messages,
 )
 
 

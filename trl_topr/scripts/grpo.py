@@ -12,7 +12,7 @@ trl-topr grpo --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset_name trl
 Without the launcher: `python -m trl_topr.scripts.grpo ...`, or `accelerate launch -m trl_topr.scripts.grpo ...`.
 """
 
-from trl_topr.scripts.utils import show_messages
+from trl_topr.quiet import show_messages
 
 
 def reward_functions(script_args) -> list:

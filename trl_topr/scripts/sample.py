@@ -44,6 +44,7 @@ An `--output_path` ending in `.jsonl`, `.json` or `.parquet` writes that file; a
 
 from dataclasses import dataclass, field
 
+from trl_topr.quiet import show_messages
 from trl_topr.scripts.utils import (
     SAMPLING_SCRIPT_DEFAULTS,
     PromptArguments,
@@ -53,7 +54,6 @@ from trl_topr.scripts.utils import (
     model_init_kwargs,
     resolve_model,
     save_dataset,
-    show_messages,
 )
 
 

@@ -40,7 +40,8 @@ import math
 import sys
 from pathlib import Path
 
-from trl_topr.scripts.utils import load_local_or_hub_dataset, resolve_model, set_model_init_kwargs, show_messages
+from trl_topr.quiet import show_messages
+from trl_topr.scripts.utils import load_local_or_hub_dataset, resolve_model, set_model_init_kwargs
 
 
 PROBE_ROWS = 512  # training rows scored by the before/after log-prob table

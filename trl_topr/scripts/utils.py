@@ -4,7 +4,6 @@ prompts arguments of `trl-topr sample` and `trl-topr eval`, and the library's me
 """
 
 import importlib
-import logging
 import os
 import sys
 from collections.abc import Callable
@@ -17,20 +16,6 @@ from trl_topr.embedded import smollm2_path  # noqa: F401  (the scripts' default 
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 REWARD_MODULES = ("trl_topr.rewards",)  # where a bare function name (no dot) is looked up
-
-
-def show_messages() -> None:
-    """
-    Print this library's messages (logger `trl_topr`, level INFO and above) with their time, as the `trl-topr`
-    commands and the recipes do: the precision chosen and why, the loop's progress. Python's logging shows only
-    warnings without this. Where the logger already has a handler (a second call, or the user's own), none is added.
-    """
-    logger = logging.getLogger("trl_topr")
-    logger.setLevel(logging.INFO)
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", "%H:%M:%S"))
-        logger.addHandler(handler)
 
 
 def _is_saved_to_disk(folder: Path) -> bool:
