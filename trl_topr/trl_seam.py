@@ -1,0 +1,72 @@
+"""
+The one module that reaches into TRL's internals: its private names, the module paths of its experimental trainers,
+formulas it does not export. Each is here with the reason, and `tests/test_trl_seam.py` checks each against the
+installed TRL, failing with a message that names what changed.
+"""
+
+import contextlib
+import importlib
+import sys
+import time
+
+import torch
+
+
+try:  # TRL 1.18 and later: stable
+    from trl import AsyncGRPOConfig, AsyncGRPOTrainer
+except ImportError:  # TRL 1.16: experimental
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+# TRL's modules of the asynchronous trainer, wherever the installed TRL keeps them
+_PACKAGE = AsyncGRPOTrainer.__module__.rsplit(".", 1)[0]
+_WORKER_MODULE = importlib.import_module(f"{_PACKAGE}.async_rollout_worker")
+RolloutSample, AsyncRolloutWorker = _WORKER_MODULE.RolloutSample, _WORKER_MODULE.AsyncRolloutWorker
+TREE_ATTENTION = importlib.import_module(f"{_PACKAGE}.packing").TREE_ATTENTION
+# TRL's default `max_staleness`, with which it sizes the number of generations in flight
+TRL_MAX_STALENESS = AsyncGRPOConfig.__dataclass_fields__["max_staleness"].default
+GRPO_STD_EPSILON = 1e-8  # TRL's worker: a sample's advantage is (R - mean) / (std + 1e-8) over its prompt's samples
+
+
+@contextlib.contextmanager
+def peak_flops_guarded(args):
+    # TRL 1.16's trainer asks `torch.cuda.get_device_name` for the peak FLOPs of the training device while it is built,
+    # which raises off CUDA. Off CUDA, and there only, its probe answers "unknown" (MFU is then not logged) for the
+    # construction alone; TRL's own function is put back after. (TRL's main guards the probe itself.)
+    module = sys.modules[AsyncGRPOTrainer.__module__]
+    if args.use_cpu or not torch.cuda.is_available():
+        original = module.get_peak_flops_per_device
+        module.get_peak_flops_per_device = lambda accelerator, dtype: None
+        try:
+            yield
+        finally:
+            module.get_peak_flops_per_device = original
+    else:
+        yield
+
+
+class GuardedRolloutWorker(AsyncRolloutWorker):
+    # TRL's rollout worker (its process), that tells when its process has died and stops also when it died or hangs.
+    # TRL's `stop` sets a multiprocessing Event on which the process's stop-watcher thread waits, and `Event.set` waits
+    # for every waiter to wake: a process that was killed (out of memory, say) or hangs never does, and the trainer
+    # would wait forever as it stops (TRL 1.16). Such a process is killed, and the event its waiter held replaced,
+    # before TRL's `stop`. The trainer gives its worker this class once TRL has built it (a subclass: TRL's checks of
+    # `isinstance(worker, AsyncRolloutWorker)`, for checkpoints and resuming, still hold).
+    HUNG_AFTER_S = 10.0  # a running worker beats its heartbeat every 0.1 s
+
+    def check_health(self, stale_after_s: float) -> None:
+        process = self._process
+        if process is not None and process._popen is not None and not process.is_alive():
+            code = process.exitcode
+            how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+            raise RuntimeError(f"The rollout worker's process exited ({how}): it produces no more samples.")
+        super().check_health(stale_after_s)
+
+    def stop(self) -> None:
+        process = self._process
+        if process is not None and process._popen is not None:
+            hung = time.time() - self._heartbeat_value.value > self.HUNG_AFTER_S
+            if not process.is_alive() or hung:
+                process.kill()
+                process.join(5)
+                self._stop_event_mp = self._mp_ctx.Event()
+        super().stop()
