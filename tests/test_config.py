@@ -56,7 +56,7 @@ def test_command_line_parsing():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"baseline": 0.1, "target_positive_fraction": 0.2}, "not both"),
+        ({"baseline": 0.1, "target_positive_fraction": 0.2}, "at most one of `baseline`, `target_positive_fraction`"),
         ({"target_positive_fraction": 0.0}, r"\(0, 1\)"),
         ({"target_positive_fraction": 1.2}, r"\(0, 1\)"),
         ({"loss_type": "dpo"}, "loss_type"),
