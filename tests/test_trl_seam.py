@@ -1,0 +1,57 @@
+"""
+What `trl_topr/trl_seam.py` takes from TRL's internals, checked against the installed TRL: each test fails with a
+message that names what TRL changed, rather than with an error deep in a training run.
+"""
+
+import dataclasses
+import inspect
+import sys
+
+import pytest
+
+from trl_topr import trl_seam
+
+
+def source_of(thing) -> str:
+    return inspect.getsource(thing)
+
+
+def test_the_asynchronous_trainer_and_its_modules_are_where_the_seam_looks():
+    # `trl.AsyncGRPOTrainer` (stable) or `trl.experimental.async_grpo` (TRL 1.16), its worker and packing modules
+    package = trl_seam.AsyncGRPOTrainer.__module__.rsplit(".", 1)[0]
+    for module in ("async_rollout_worker", "packing"):
+        assert f"{package}.{module}" in sys.modules, f"TRL's asynchronous trainer no longer has `{package}.{module}`"
+    assert isinstance(trl_seam.TREE_ATTENTION, str), "TRL's packing module no longer names its tree attention"
+    assert isinstance(trl_seam.TRL_MAX_STALENESS, int), "TRL's AsyncGRPOConfig has no integer `max_staleness` default"
+
+
+def test_a_rollout_sample_carries_what_topr_reads():
+    fields = {field.name for field in dataclasses.fields(trl_seam.RolloutSample)}
+    needed = {"input_ids", "completion_mask", "old_log_probs", "advantage", "model_version", "group_id", "metrics"}
+    assert needed <= fields, f"TRL's RolloutSample lost {sorted(needed - fields)}"
+
+
+def test_trls_worker_records_the_reward_and_its_groups_spread_and_the_dataset_passes_them_on():
+    # TOPR's R - c comes from the reward among a sample's metrics, the group-centred reward from GRPO's advantage and
+    # the group's std (with the epsilon TRL adds), the version from the sample; TRL's dataset yields the metrics
+    worker = source_of(sys.modules[trl_seam.AsyncRolloutWorker.__module__])
+    assert '"reward": float(reward)' in worker, "TRL's worker no longer records each sample's reward in its metrics"
+    assert '"reward_std": reward_std' in worker, "TRL's worker no longer records the group's reward std"
+    epsilon = "(scored - scored.mean()) / (scored.std() + 1e-8)"
+    assert trl_seam.GRPO_STD_EPSILON == 1e-8 and epsilon in worker, f"TRL's worker's advantage is no longer {epsilon}"
+    trainer = source_of(sys.modules[trl_seam.AsyncGRPOTrainer.__module__])
+    assert '"metrics": sample.metrics' in trainer, "TRL's rollout dataset no longer yields each sample's metrics"
+
+
+@pytest.mark.parametrize("name", ["_process", "_heartbeat_value", "_stop_event_mp", "_mp_ctx"])
+def test_the_workers_private_state_the_guarded_stop_reads_is_still_there(name):
+    assert f"self.{name}" in source_of(trl_seam.AsyncRolloutWorker), (
+        f"TRL's AsyncRolloutWorker has no `{name}`: GuardedRolloutWorker's check and stop must follow it"
+    )
+
+
+def test_the_peak_flops_probe_the_construction_guards_is_still_a_module_function():
+    module = sys.modules[trl_seam.AsyncGRPOTrainer.__module__]
+    assert callable(getattr(module, "get_peak_flops_per_device", None)), (
+        "TRL's asynchronous trainer no longer calls a module-level `get_peak_flops_per_device`: drop or move the guard"
+    )
