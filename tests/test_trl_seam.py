@@ -1,5 +1,5 @@
 """
-What `trl_topr/trl_seam.py` takes from TRL's internals, checked against the installed TRL: each test fails with a
+What `trl_topr/trl_seam/` takes from TRL's internals, checked against the installed TRL: each test fails with a
 message that names what TRL changed, rather than with an error deep in a training run.
 """
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from trl_topr import trl_seam
+from trl_topr.trl_seam import asynchronous as trl_seam
 
 
 def source_of(thing) -> str:
@@ -55,3 +55,21 @@ def test_the_peak_flops_probe_the_construction_guards_is_still_a_module_function
     assert callable(getattr(module, "get_peak_flops_per_device", None)), (
         "TRL's asynchronous trainer no longer calls a module-level `get_peak_flops_per_device`: drop or move the guard"
     )
+
+
+def test_grpo_still_builds_its_vllm_sampler_from_its_modules_name():
+    # the online trainer swaps the class GRPOTrainer builds its vLLM sampler from, for the duration of its __init__
+    from trl import GRPOTrainer
+    from trl.trainer import grpo_trainer
+
+    from trl_topr.trl_seam import grpo_builds_vllm_with
+
+    assert "VLLMGeneration(" in source_of(GRPOTrainer.__init__), "GRPOTrainer no longer builds `VLLMGeneration` itself"
+    original = grpo_trainer.VLLMGeneration
+
+    class Other(original):
+        pass
+
+    with grpo_builds_vllm_with(Other):
+        assert grpo_trainer.VLLMGeneration is Other
+    assert grpo_trainer.VLLMGeneration is original

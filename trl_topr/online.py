@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 import torch
 from trl import GRPOConfig, GRPOTrainer
-from trl.trainer import grpo_trainer
 from trl.trainer.utils import get_config_model_id
 
 from .baseline import topr_advantages
@@ -16,6 +15,7 @@ from .distributed import NamesTheStep
 from .generation.vllm_engine import TOPRVLLMGeneration
 from .loss import topr_loss
 from .trainer import CardOnSave, TOPRTrainer, record_metrics, with_logged_metrics
+from .trl_seam import grpo_builds_vllm_with
 
 
 # Options of GRPO's own loss, which TOPR's loss replaces, with the value that leaves them off.
@@ -72,17 +72,6 @@ class TOPRGRPOConfig(TOPRArguments, GRPOConfig):
                 raise ValueError(f"`{name}` is an option of GRPO's loss, which TOPR replaces: leave it at {off!r}.")
 
 
-@contextlib.contextmanager
-def _replaced(module, name: str, value):
-    # `module.name` is `value` within the block only
-    original = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, original)
-
-
 class TOPRGRPOTrainer(NamesTheStep, CardOnSave, GRPOTrainer):
     r"""
     Online Tapered Off-Policy REINFORCE: [`~trl.GRPOTrainer`] with the TOPR loss, from [Tapered Off-Policy REINFORCE:
@@ -133,11 +122,7 @@ class TOPRGRPOTrainer(NamesTheStep, CardOnSave, GRPOTrainer):
             raise TypeError(f"`args` must be a TOPRGRPOConfig, got {type(args).__name__}: swap GRPOConfig for it.")
         # GRPO builds TRL's vLLM sampler inline; ours is TRL's class with vLLM's CPU build fixed (see
         # `trl_topr.generation.vllm_engine`)
-        with (
-            _replaced(grpo_trainer, "VLLMGeneration", TOPRVLLMGeneration)
-            if args.use_vllm
-            else contextlib.nullcontext()
-        ):
+        with grpo_builds_vllm_with(TOPRVLLMGeneration) if args.use_vllm else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, *more_args, **kwargs)
         self._topr_metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
 

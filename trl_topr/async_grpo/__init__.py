@@ -11,7 +11,7 @@ staleness is reproducible: for CPU runs, tests and the benchmarks. On GPUs, TRL'
 server.
 """
 
-from ..trl_seam import AsyncGRPOConfig, AsyncGRPOTrainer, RolloutSample
+from ..trl_seam.asynchronous import AsyncGRPOConfig, AsyncGRPOTrainer, RolloutSample
 from .attention import flash_attention_3_loads, tree_attention
 from .config import UNBOUNDED_STALENESS, TOPRAsyncGRPOConfig
 from .packed import MODEL_VERSION, per_sample, samples_of

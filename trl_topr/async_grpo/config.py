@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 
 from ..config import TOPRArguments
-from ..trl_seam import TRL_MAX_STALENESS, AsyncGRPOConfig
+from ..trl_seam.asynchronous import TRL_MAX_STALENESS, AsyncGRPOConfig
 
 
 # `max_staleness=None` keeps every sample; TRL compares an integer, so it is stored as this one

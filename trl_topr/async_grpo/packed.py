@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..trl_seam import GRPO_STD_EPSILON
+from ..trl_seam.asynchronous import GRPO_STD_EPSILON
 
 
 # The batch's key of each packed sample's (policy version that drew it, reward, reward less its group's mean), a

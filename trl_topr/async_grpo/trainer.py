@@ -15,7 +15,13 @@ from ..distributed import NamesTheStep
 from ..loss import METRIC_SUPPORT, ratio_metrics_by, topr_loss
 from ..sampling import RewardFuncs
 from ..trainer import CardOnSave, TOPRTrainer, latest_complete_checkpoint
-from ..trl_seam import TREE_ATTENTION, AsyncGRPOTrainer, AsyncRolloutWorker, GuardedRolloutWorker, peak_flops_guarded
+from ..trl_seam.asynchronous import (
+    TREE_ATTENTION,
+    AsyncGRPOTrainer,
+    AsyncRolloutWorker,
+    GuardedRolloutWorker,
+    peak_flops_guarded,
+)
 from .attention import flash_attention_3_loads, tree_attention
 from .config import UNBOUNDED_STALENESS, TOPRAsyncGRPOConfig
 from .packed import ADVANTAGES, BASELINES, PerSampleCollator, StampedQueue, samples_of, segment_positions

@@ -16,7 +16,7 @@ from trl.trainer.utils import create_model_from_path
 from ..data import BEHAVIOR_LOGPS, COMPLETION_IDS, PROMPT_IDS, REWARD, TOOL_MASK
 from ..generation import SamplingSettings
 from ..sampling import Sampler
-from ..trl_seam import GRPO_STD_EPSILON, RolloutSample
+from ..trl_seam.asynchronous import GRPO_STD_EPSILON, RolloutSample
 
 
 logger = get_logger(__name__)

@@ -1,8 +1,4 @@
-"""
-The one module that reaches into TRL's internals: its private names, the module paths of its experimental trainers,
-formulas it does not export. Each is here with the reason, and `tests/test_trl_seam.py` checks each against the
-installed TRL, failing with a message that names what changed.
-"""
+"""What the seam takes from TRL's asynchronous trainer (experimental in TRL 1.16: imported only where it is used)."""
 
 import contextlib
 import importlib
