@@ -15,6 +15,7 @@ import time
 import urllib.request
 
 import pytest
+from conftest import kill_tree
 from peft import LoraConfig
 from safetensors.torch import load_file
 from test_vllm import SERVER_OPTIONS, arithmetic, free_port, smollm2, start_server, vllm_installed  # noqa: F401
@@ -70,7 +71,9 @@ class Server:
         return self
 
     def kill(self) -> None:
-        self.process.send_signal(signal.SIGKILL)
+        # the server and its engine's process, as a crash or a preemption ends them (SIGKILL to the server alone
+        # leaves its engine running, and computing, for the rest of the session)
+        kill_tree(self.process.pid)
         self.process.wait(30)
 
     def stop(self) -> None:
@@ -118,23 +121,6 @@ def staleness_seen(entries: list[dict]) -> set[int]:
     return {int(match[1]) for entry in entries for key in entry if (match := STALENESS.match(key))}
 
 
-def test_the_async_trainer_trains_on_trls_worker_with_its_adapter_synced_over_http(smollm2, server, tmp_path):
-    # TRL's own rollout worker on a vLLM server (vLLM's CPU build serves LoRA), the PEFT adapter published to it over
-    # HTTP after each step: the samples come back with vLLM's log-probs, the loss is TOPR's, the server holds the
-    # adapter of each version; with every sample kept the adapter sync asks for an explicit bound, which TRL needs
-    server.ensure()
-    with pytest.raises(ValueError, match="max_staleness"):  # every sample kept: as many adapters as versions
-        trainer_for(smollm2, server, tmp_path / "unbounded", max_staleness=None)
-    trainer = trainer_for(smollm2, server, tmp_path / "out", prompts=8, max_steps=2)
-    assert trainer._lora_sync  # the adapter alone goes to the server, over HTTP
-    trainer.train()
-    steps = [entry for entry in trainer.state.log_history if "loss" in entry]
-    assert len(steps) == 2 and trainer.model_version == 3 and all(e["grad_norm"] > 0 for e in steps)
-    assert all("negative_weight_mean" in e and staleness_seen([e]) for e in steps)
-    served = json.load(urllib.request.urlopen(f"{server.url}/v1/models"))["data"]
-    assert "trl-policy-v3" in {model["id"] for model in served}
-
-
 class Kills(TrainerCallback):
     """Kills the server at the end of a step, as a crash or a preemption would."""
 
@@ -147,21 +133,28 @@ class Kills(TrainerCallback):
             self.killed_at = time.monotonic()
 
 
-def test_a_run_whose_server_dies_stops_with_an_error_naming_it_and_resumes_from_its_last_checkpoint(
+def test_trls_worker_trains_through_the_server_and_a_run_whose_server_dies_resumes_from_its_last_checkpoint(
     smollm2, server, tmp_path
 ):
-    # The server is killed after step 2: the next weight sync (or the worker's next request) cannot reach it. The run
-    # stops within seconds with an error naming the server and the checkpoint to resume from; that checkpoint is whole
-    # (step 1: step 2's save comes after the sync that failed), and a run resumed from it, the server started again,
-    # goes on from its step and its model version, and logs each sample's staleness from TRL's count of versions.
+    # TRL's own rollout worker on a vLLM server (vLLM's CPU build serves LoRA), the PEFT adapter published to it over
+    # HTTP after each step: the samples come back with vLLM's log-probs and the loss is TOPR's. The server is killed
+    # after step 2: the next weight sync (or the worker's next request) cannot reach it, and the run stops within
+    # seconds with an error naming the server and the checkpoint to resume from. That checkpoint is whole (step 1:
+    # step 2's save comes after the sync that failed), and a run resumed from it, the server started again, goes on
+    # from its step and its model version, and logs each sample's staleness from TRL's count of versions.
     server.ensure()
+    with pytest.raises(ValueError, match="max_staleness"):  # every sample kept: as many adapters as versions
+        trainer_for(smollm2, server, tmp_path / "unbounded", max_staleness=None)
     output_dir = tmp_path / "out"
     killer = Kills(server, step=2)
-    trainer = trainer_for(
-        smollm2, server, output_dir, callbacks=[killer], max_steps=6, save_strategy="steps", save_steps=1
-    )
+    options = dict(max_steps=6, save_strategy="steps", save_steps=1)
+    trainer = trainer_for(smollm2, server, output_dir, callbacks=[killer], **options)
+    assert trainer._lora_sync  # the adapter alone goes to the server, over HTTP
     with pytest.raises(RuntimeError, match=re.escape(f"The vLLM server at {server.url} does not answer")) as error:
         trainer.train()
+    # step 1 logged (step 2's log comes after the weight sync that found the server gone)
+    (step,) = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert step["grad_norm"] > 0 and "negative_weight_mean" in step and staleness_seen([step])
     assert time.monotonic() - killer.killed_at < 60  # bounded: no wait on a dead server
     checkpoint = output_dir / "checkpoint-1"
     assert f"The last complete checkpoint is {checkpoint}" in str(error.value)
@@ -172,11 +165,12 @@ def test_a_run_whose_server_dies_stops_with_an_error_naming_it_and_resumes_from_
     del trainer
 
     server.ensure()  # started again: it holds none of the earlier adapters
-    resumed = trainer_for(smollm2, server, output_dir, max_steps=3, save_strategy="steps", save_steps=1)
+    resumed = trainer_for(smollm2, server, output_dir, **{**options, "max_steps": 3})
     resumed.train(resume_from_checkpoint=str(checkpoint))
     steps = [entry for entry in resumed.state.log_history if "loss" in entry]
     assert [e["step"] for e in steps] == [1, 2, 3]  # step 1 from the checkpoint's log, then 2 and 3
-    # TRL's count goes on from the checkpoint's: a sync as training starts again, then one per step
+    # TRL's count goes on from the checkpoint's: a sync as training starts again, then one per step, each version's
+    # adapter published to the server
     assert resumed.model_version == saved_version + 1 + 2
     served = {model["id"] for model in json.load(urllib.request.urlopen(f"{server.url}/v1/models"))["data"]}
     assert f"trl-policy-v{resumed.model_version}" in served
@@ -220,7 +214,7 @@ def test_a_worker_that_stops_producing_is_reported_and_the_trainer_stops(
     server.ensure()
     sender = Signals(signal_number)
     trainer = trainer_for(
-        smollm2, server, tmp_path / "out", callbacks=[sender], max_steps=20, heartbeat_stale_after_s=20
+        smollm2, server, tmp_path / "out", callbacks=[sender], max_steps=20, heartbeat_stale_after_s=10
     )
     with pytest.raises(RuntimeError, match=reported):
         trainer.train()

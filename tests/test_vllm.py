@@ -22,7 +22,7 @@ import weakref
 
 import pytest
 import torch
-from conftest import TOOL_PROMPT, TOOL_TRAJECTORY, alive, multiply, recording_trainer
+from conftest import TOOL_PROMPT, TOOL_TRAJECTORY, alive, kill_tree, multiply, recording_trainer
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -291,7 +291,7 @@ def start_server(command: list[str], port: int, log_path, **env) -> subprocess.P
         except OSError:
             time.sleep(3)
     if process.poll() is not None or time.monotonic() >= deadline:
-        process.kill()
+        kill_tree(process.pid)  # the server and its engine's process
         pytest.fail(f"The vLLM server did not start:\n{log_path.read_text()[-3000:]}")
     return process
 
