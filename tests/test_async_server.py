@@ -137,7 +137,8 @@ def test_trls_worker_trains_through_the_server_and_a_run_whose_server_dies_resum
     smollm2, server, tmp_path
 ):
     # TRL's own rollout worker on a vLLM server (vLLM's CPU build serves LoRA), the PEFT adapter published to it over
-    # HTTP after each step: the samples come back with vLLM's log-probs and the loss is TOPR's. The server is killed
+    # HTTP after each step: the samples come back with vLLM's log-probs and the loss is TOPR's, on TOPR's R - c
+    # (target positive fraction 0.8 over each step's rewards). The server is killed
     # after step 2: the next weight sync (or the worker's next request) cannot reach it, and the run stops within
     # seconds with an error naming the server and the checkpoint to resume from. That checkpoint is whole (step 1:
     # step 2's save comes after the sync that failed), and a run resumed from it, the server started again, goes on
@@ -147,7 +148,7 @@ def test_trls_worker_trains_through_the_server_and_a_run_whose_server_dies_resum
         trainer_for(smollm2, server, tmp_path / "unbounded", max_staleness=None)
     output_dir = tmp_path / "out"
     killer = Kills(server, step=2)
-    options = dict(max_steps=6, save_strategy="steps", save_steps=1)
+    options = dict(max_steps=6, save_strategy="steps", save_steps=1, target_positive_fraction=0.8)
     trainer = trainer_for(smollm2, server, output_dir, callbacks=[killer], **options)
     assert trainer._lora_sync  # the adapter alone goes to the server, over HTTP
     with pytest.raises(RuntimeError, match=re.escape(f"The vLLM server at {server.url} does not answer")) as error:
@@ -155,6 +156,8 @@ def test_trls_worker_trains_through_the_server_and_a_run_whose_server_dies_resum
     # step 1 logged (step 2's log comes after the weight sync that found the server gone)
     (step,) = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert step["grad_norm"] > 0 and "negative_weight_mean" in step and staleness_seen([step])
+    # TOPR's R - c from the rewards TRL's worker recorded: c puts 0.8 of the step's weight on its positives
+    assert step["effective_positive_fraction"] == pytest.approx(0.8, abs=1e-3) and "baseline" in step
     assert time.monotonic() - killer.killed_at < 60  # bounded: no wait on a dead server
     checkpoint = output_dir / "checkpoint-1"
     assert f"The last complete checkpoint is {checkpoint}" in str(error.value)
