@@ -235,14 +235,14 @@ def test_tool_results_get_no_weight_online(tool_policy, tmp_path, monkeypatch):
         return loss, metrics
 
     monkeypatch.setattr(trl_topr.online, "topr_loss", recording_loss)
-    real_compute = TOPRGRPOTrainer._compute_loss
+    real_compute = TOPRGRPOTrainer.policy_loss
     batches = []
 
     def recording_compute(self, model, inputs):
         batches.append({name: inputs[name] for name in ("completion_mask", "tool_mask") if name in inputs})
         return real_compute(self, model, inputs)
 
-    monkeypatch.setattr(TOPRGRPOTrainer, "_compute_loss", recording_compute)
+    monkeypatch.setattr(TOPRGRPOTrainer, "policy_loss", recording_compute)
     args = grpo_args(tmp_path, max_completion_length=200, temperature=0.1, max_steps=1, learning_rate=1e-5)
     dataset = Dataset.from_dict({"prompt": [TOOL_PROMPT] * 4, "answer": ["56"] * 4})
 

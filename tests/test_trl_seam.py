@@ -73,3 +73,32 @@ def test_grpo_still_builds_its_vllm_sampler_from_its_modules_name():
     with grpo_builds_vllm_with(Other):
         assert grpo_trainer.VLLMGeneration is Other
     assert grpo_trainer.VLLMGeneration is original
+
+
+@pytest.mark.parametrize(
+    "method, parameters",
+    [
+        ("_calculate_rewards", ["self", "inputs", "prompts", "completions", "completion_ids_list"]),
+        ("_generate_and_score_completions", ["self", "inputs"]),
+        ("_compute_loss", ["self", "model", "inputs"]),
+    ],
+)
+def test_the_grpo_steps_the_hooks_stand_for_keep_their_signatures(method, parameters):
+    # GRPOTrainerHooks overrides these private steps of GRPOTrainer, with these arguments
+    from trl import GRPOTrainer
+
+    found = getattr(GRPOTrainer, method, None)
+    assert found is not None, f"GRPOTrainer has no `{method}`: GRPOTrainerHooks must follow TRL"
+    assert list(inspect.signature(found).parameters) == parameters, f"GRPOTrainer.{method} takes other arguments"
+
+
+def test_grpos_forward_takes_what_the_online_loss_passes():
+    from trl import GRPOTrainer
+
+    found = getattr(GRPOTrainer, "_get_per_token_logps_and_entropies", None)
+    assert found is not None, "GRPOTrainer has no `_get_per_token_logps_and_entropies`"
+    parameters = inspect.signature(found).parameters
+    needed = ["model", "input_ids", "attention_mask", "logits_to_keep", "compute_entropy", "compute_aux_loss"]
+    assert all(name in parameters for name in needed), (
+        f"GRPO's forward lost {[n for n in needed if n not in parameters]}"
+    )

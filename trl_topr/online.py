@@ -6,7 +6,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOConfig
 from trl.trainer.utils import get_config_model_id
 
 from .baseline import topr_advantages
@@ -15,7 +15,7 @@ from .distributed import NamesTheStep
 from .generation.vllm_engine import TOPRVLLMGeneration
 from .loss import topr_loss
 from .trainer import CardOnSave, TOPRTrainer, record_metrics, with_logged_metrics
-from .trl_seam import grpo_builds_vllm_with
+from .trl_seam import GRPOTrainerHooks, grpo_builds_vllm_with
 
 
 # Options of GRPO's own loss, which TOPR's loss replaces, with the value that leaves them off.
@@ -72,7 +72,7 @@ class TOPRGRPOConfig(TOPRArguments, GRPOConfig):
                 raise ValueError(f"`{name}` is an option of GRPO's loss, which TOPR replaces: leave it at {off!r}.")
 
 
-class TOPRGRPOTrainer(NamesTheStep, CardOnSave, GRPOTrainer):
+class TOPRGRPOTrainer(NamesTheStep, CardOnSave, GRPOTrainerHooks):
     r"""
     Online Tapered Off-Policy REINFORCE: [`~trl.GRPOTrainer`] with the TOPR loss, from [Tapered Off-Policy REINFORCE:
     Stable and efficient reinforcement learning for LLMs](https://huggingface.co/papers/2503.14286).
@@ -126,14 +126,12 @@ class TOPRGRPOTrainer(NamesTheStep, CardOnSave, GRPOTrainer):
             super().__init__(model, reward_funcs, args, *more_args, **kwargs)
         self._topr_metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
 
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        # Keep the rewards of every process's completions: GRPO passes only its normalized advantages on to the loss.
-        self._rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        return self._rewards_per_func
-
-    def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
-        rewards_per_func = self._rewards_per_func
+    def scored_batch(self, output: dict, rewards_per_func, inputs) -> dict:
+        """
+        GRPO's scored generation batch, with each completion's reward R (GRPO's weighted sum of the reward functions;
+        NaN where none scored it) and TOPR's baseline c ([`~trl_topr.topr_advantages`] over the generation batch, of
+        every process), which the loss weights as R - c.
+        """
         rewards = (rewards_per_func * self.reward_weights.to(rewards_per_func.device)).nansum(dim=1)
         rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan  # unscorable: R - c is set to 0 in the loss
         # TOPR's R - c over the generation batch (every process's completions)
@@ -143,12 +141,13 @@ class TOPRGRPOTrainer(NamesTheStep, CardOnSave, GRPOTrainer):
         output["rewards"], output["baselines"] = rewards[local], baselines[local]
         return output
 
-    def _compute_loss(self, model, inputs):
+    def policy_loss(self, model, inputs):
+        """TOPR's loss of a micro-batch ([`~trl_topr.topr_loss`] on R - c), in place of GRPO's."""
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
         input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
-        per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
+        per_token_logps, entropies, aux_loss = self.per_token_logps_and_entropies(
             model,
             input_ids,
             attention_mask,

@@ -8,6 +8,7 @@ formulas it does not export, and the one swap TRL leaves no other way to make. E
 
 import contextlib
 
+from trl import GRPOTrainer
 from trl.trainer import grpo_trainer
 
 
@@ -27,3 +28,38 @@ def grpo_builds_vllm_with(generation_class: type):
         yield
     finally:
         grpo_trainer.VLLMGeneration = original
+
+
+class GRPOTrainerHooks(GRPOTrainer):
+    """
+    TRL's `GRPOTrainer` with the private steps the online trainer changes behind public hooks, so that TRL's private
+    names stay in this module:
+
+    - `scored_batch(output, rewards_per_func, inputs)`: what GRPO's `_generate_and_score_completions` returns for a
+      generation batch, given with every process's rewards per reward function (its `_calculate_rewards`, which passes
+      only the normalised advantages on); returns the batch the loss gets.
+    - `policy_loss(model, inputs)`: the loss of a micro-batch, in place of GRPO's `_compute_loss`.
+    - `per_token_logps_and_entropies(...)`: GRPO's forward (`_get_per_token_logps_and_entropies`), same arguments.
+    """
+
+    def scored_batch(self, output: dict, rewards_per_func, inputs) -> dict:
+        """The batch the loss gets from a scored generation batch: GRPO's `output`, unchanged here."""
+        return output
+
+    def policy_loss(self, model, inputs):
+        """The loss of a micro-batch: GRPO's, unless a subclass says otherwise."""
+        return super()._compute_loss(model, inputs)
+
+    def per_token_logps_and_entropies(self, *args, **kwargs):
+        """GRPO's forward of a batch: the completion tokens' log-probs, their entropies and an auxiliary loss."""
+        return self._get_per_token_logps_and_entropies(*args, **kwargs)
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        self._rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        return self._rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        return self.scored_batch(super()._generate_and_score_completions(inputs), self._rewards_per_func, inputs)
+
+    def _compute_loss(self, model, inputs):
+        return self.policy_loss(model, inputs)
