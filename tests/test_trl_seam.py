@@ -102,3 +102,12 @@ def test_grpos_forward_takes_what_the_online_loss_passes():
     assert all(name in parameters for name in needed), (
         f"GRPO's forward lost {[n for n in needed if n not in parameters]}"
     )
+
+
+def test_trls_prompt_tokenization_is_where_the_seam_takes_it():
+    from trl import data_utils
+
+    found = getattr(data_utils, "_tokenize", None)
+    assert found is not None, "trl.data_utils has no `_tokenize`: tokens.prompt_ids must tokenize as TRL now does"
+    parameters = list(inspect.signature(found).parameters)
+    assert parameters[:2] == ["processing_class", "input"], f"trl.data_utils._tokenize takes {parameters}"

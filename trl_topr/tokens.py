@@ -1,9 +1,11 @@
-"""Token helpers, at the bottom of the package (they import nothing of it): a processing class's tokenizer and padding
-id, a prompt's token ids as training tokenizes it, and the ids and texts that end a turn (the generation config's
-stop ids), which the sampler stops at and the cut of a trajectory into the policy's tokens uses alike."""
+"""Token helpers, at the bottom of the package (they import nothing of it but the TRL seam): a processing class's
+tokenizer and padding id, a prompt's token ids as training tokenizes it, and the ids and texts that end a turn (the
+generation config's stop ids), which the sampler stops at and the cut of a trajectory into the policy's tokens uses
+alike."""
 
 from transformers import PreTrainedTokenizerBase
-from trl.data_utils import _tokenize
+
+from .trl_seam import tokenize_like_trl
 
 
 def prompt_ids(processing_class: PreTrainedTokenizerBase, prompt, tools: list | None = None) -> list[int]:
@@ -23,8 +25,10 @@ def prompt_ids(processing_class: PreTrainedTokenizerBase, prompt, tools: list | 
         `list[int]`: its token ids.
     """
     if isinstance(prompt, list):
-        return _tokenize(processing_class, prompt, add_generation_prompt=True, tools=tools or None)["input_ids"]
-    return _tokenize(processing_class, prompt)["input_ids"]
+        return tokenize_like_trl(processing_class, prompt, add_generation_prompt=True, tools=tools or None)[
+            "input_ids"
+        ]
+    return tokenize_like_trl(processing_class, prompt)["input_ids"]
 
 
 def text_tokenizer(processing_class):

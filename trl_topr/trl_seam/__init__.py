@@ -9,7 +9,13 @@ formulas it does not export, and the one swap TRL leaves no other way to make. E
 import contextlib
 
 from trl import GRPOTrainer
+from trl.data_utils import _tokenize as tokenize_like_trl  # noqa: F401  (what tokens.py tokenizes prompts with)
 from trl.trainer import grpo_trainer
+
+
+# `tokenize_like_trl(processing_class, prompt, **chat_template_kwargs)`: TRL's tokenization of a prompt, text as is,
+# messages with the chat template (tools, generation prompt), which its SFT and GRPO trainers apply: the one way to get
+# the ids training sees. TRL does not export it.
 
 
 @contextlib.contextmanager
