@@ -111,3 +111,20 @@ def test_trls_prompt_tokenization_is_where_the_seam_takes_it():
     assert found is not None, "trl.data_utils has no `_tokenize`: tokens.prompt_ids must tokenize as TRL now does"
     parameters = list(inspect.signature(found).parameters)
     assert parameters[:2] == ["processing_class", "input"], f"trl.data_utils._tokenize takes {parameters}"
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["_step_forward_tokens", "_step_trained_tokens", "_step_seq_len_weighted", "_step_samples", "_step_forward_s"],
+)
+def test_trls_per_step_accounting_the_loss_adds_to_is_still_there(name):
+    # count_micro_batch adds a micro-batch to these, as TRL's own compute_loss does
+    assert f"self.{name} +=" in source_of(trl_seam.AsyncGRPOTrainer.compute_loss), (
+        f"TRL's asynchronous compute_loss no longer adds to `{name}`: count_micro_batch must follow it"
+    )
+
+
+def test_trls_metric_sink_is_still_a_dict_of_training_metrics():
+    assert 'self._metrics["train"]' in source_of(trl_seam.AsyncGRPOTrainer.compute_loss), (
+        "TRL's asynchronous trainer no longer records into `_metrics['train']`: train_metrics must follow it"
+    )

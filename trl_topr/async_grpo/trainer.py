@@ -20,7 +20,9 @@ from ..trl_seam.asynchronous import (
     AsyncGRPOTrainer,
     AsyncRolloutWorker,
     GuardedRolloutWorker,
+    count_micro_batch,
     peak_flops_guarded,
+    train_metrics,
 )
 from .attention import flash_attention_3_loads, tree_attention
 from .config import UNBOUNDED_STALENESS, TOPRAsyncGRPOConfig
@@ -243,7 +245,7 @@ class TOPRAsyncGRPOTrainer(NamesTheStep, CardOnSave, AsyncGRPOTrainer):
         if BASELINES in inputs and len(inputs[BASELINES]):
             metrics["baseline"] = inputs[BASELINES].float().nanmean()  # what the loss's R - c was centred on
         if self.aux_loss_enabled:
-            loss = loss + self.router_aux_loss_coef * self._aux_loss / self.current_gradient_accumulation_steps
+            loss = loss + self.router_aux_loss_coef * self.router_aux_loss / self.current_gradient_accumulation_steps
         log_ratio = torch.where(mask, per_token.detach() - behavior, 0.0).sum(-1)
         self._record(metrics, entropy, log_ratio, advantages, inputs)
         return loss
@@ -263,8 +265,8 @@ class TOPRAsyncGRPOTrainer(NamesTheStep, CardOnSave, AsyncGRPOTrainer):
             **({"output_router_logits": True} if self.aux_loss_enabled else {}),
             **tree,
         )
-        self._last_forward_time_s = time.time() - start
-        self._aux_loss = getattr(outputs, "aux_loss", None)
+        self.forward_seconds = time.time() - start
+        self.router_aux_loss = getattr(outputs, "aux_loss", None)
         return outputs.log_probs.flatten()[token_index], outputs.entropy.flatten()[token_index]
 
     def _record(self, metrics: dict, entropy, log_ratio, advantages, inputs) -> None:
@@ -293,12 +295,7 @@ class TOPRAsyncGRPOTrainer(NamesTheStep, CardOnSave, AsyncGRPOTrainer):
             by = ratio_metrics_by(groups, ratios, centred, "staleness", **self.args.weight_options())
             by = {name: value for name, value in by.items() if "/" in name}  # the overall ones are the loss's
             self._add_metrics(by, lambda name: by[f"{name.split('/')[0]}/rows"])
-        forwarded, mean_length = float(inputs["global_n_forward_tokens"][0]), float(inputs["mean_seq_len"][0])
-        self._step_forward_tokens += forwarded
-        self._step_trained_tokens += float(inputs["global_n_tokens"][0])
-        self._step_seq_len_weighted += mean_length * forwarded
-        self._step_samples += forwarded / mean_length
-        self._step_forward_s += self._last_forward_time_s
+        count_micro_batch(self, inputs, self.forward_seconds)  # TRL's per-step accounting
 
     def _add_metrics(self, values: dict[str, float], support: Callable[[str], float]) -> None:
         # A batch's means into TRL's sink as (sum, count) pairs, extrema and counts as they are; undefined ones out
@@ -306,6 +303,6 @@ class TOPRAsyncGRPOTrainer(NamesTheStep, CardOnSave, AsyncGRPOTrainer):
             if name.startswith("count/") or math.isnan(value):
                 continue
             if name.endswith(("_min", "_max", "/rows")):
-                self._metrics["train"][name].append(float(value))
+                train_metrics(self)[name].append(float(value))
             elif support(name) > 0:
-                self._metrics["train"][name].append((value * support(name), float(support(name))))
+                train_metrics(self)[name].append((value * support(name), float(support(name))))

@@ -66,3 +66,32 @@ class GuardedRolloutWorker(AsyncRolloutWorker):
                 process.join(5)
                 self._stop_event_mp = self._mp_ctx.Event()
         super().stop()
+
+
+def train_metrics(trainer) -> dict:
+    """
+    TRL's asynchronous trainer's sink of training metrics (`_metrics["train"]`: name -> values, a `(sum, count)` pair
+    reduced as a rate), which it logs and clears at each logging step.
+
+    Args:
+        trainer: A `TOPRAsyncGRPOTrainer`.
+    """
+    return trainer._metrics["train"]
+
+
+def count_micro_batch(trainer, inputs: dict, forward_seconds: float) -> None:
+    """
+    Add a trained micro-batch to TRL's per-step accounting (tokens forwarded and trained, samples, forward time), as
+    TRL's own `compute_loss` does: what its throughput and MFU metrics are computed from at the step's end.
+
+    Args:
+        trainer: A `TOPRAsyncGRPOTrainer`.
+        inputs (`dict`): The micro-batch, as TRL's collator made it.
+        forward_seconds (`float`): The seconds its forward took.
+    """
+    forwarded, mean_length = float(inputs["global_n_forward_tokens"][0]), float(inputs["mean_seq_len"][0])
+    trainer._step_forward_tokens += forwarded
+    trainer._step_trained_tokens += float(inputs["global_n_tokens"][0])
+    trainer._step_seq_len_weighted += mean_length * forwarded
+    trainer._step_samples += forwarded / mean_length
+    trainer._step_forward_s += forward_seconds
