@@ -128,3 +128,22 @@ def test_trls_metric_sink_is_still_a_dict_of_training_metrics():
     assert 'self._metrics["train"]' in source_of(trl_seam.AsyncGRPOTrainer.compute_loss), (
         "TRL's asynchronous trainer no longer records into `_metrics['train']`: train_metrics must follow it"
     )
+
+
+def test_trls_inflight_formula_is_what_the_configuration_sizes_by():
+    # the configuration sizes the tasks in flight as TRL's trainer would, with TRL's default bound
+    trainer = source_of(sys.modules[trl_seam.AsyncGRPOTrainer.__module__])
+    assert "max(self.args.max_staleness, 1) * samples_per_step" in trainer, "TRL sizes its tasks in flight otherwise"
+    compact = "".join(trainer.split())
+    counted = "samples_per_step=(self.args.per_device_train_batch_size*self.args.gradient_accumulation_steps"
+    assert counted + "*self.accelerator.num_processes)" in compact, "TRL counts an optimizer step's samples otherwise"
+
+
+def test_trls_adapter_slots_error_is_told_apart_by_its_text():
+    source = source_of(sys.modules[trl_seam.AsyncGRPOTrainer.__module__])
+    assert "`max_staleness=" in source and "--max-loras" in source, (
+        "TRL's refusal of too few adapter slots no longer names max_staleness and --max-loras: "
+        "is_adapter_slots_error must follow it"
+    )
+    assert trl_seam.is_adapter_slots_error(ValueError("`max_staleness=4` ... `--max-loras 6` ..."))
+    assert not trl_seam.is_adapter_slots_error(ValueError("another problem"))

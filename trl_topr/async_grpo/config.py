@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 
 from ..config import TOPRArguments
-from ..trl_seam.asynchronous import TRL_MAX_STALENESS, AsyncGRPOConfig
+from ..trl_seam.asynchronous import TRL_MAX_STALENESS, AsyncGRPOConfig, trl_inflight_tasks
 
 
 # `max_staleness=None` keeps every sample; TRL compares an integer, so it is stored as this one
@@ -78,8 +78,7 @@ class TOPRAsyncGRPOConfig(TOPRArguments, AsyncGRPOConfig):
         if self.max_staleness is None or self.max_staleness >= UNBOUNDED_STALENESS:
             self.max_staleness = UNBOUNDED_STALENESS
             if self.max_inflight_tasks < 0:  # TRL sizes them with `max_staleness`: with TRL's default instead
-                samples_per_step = self.per_device_train_batch_size * self.gradient_accumulation_steps
-                self.max_inflight_tasks = TRL_MAX_STALENESS * samples_per_step * self.world_size
+                self.max_inflight_tasks = trl_inflight_tasks(self, TRL_MAX_STALENESS)
         elif self.max_staleness < 0:
             raise ValueError(f"`max_staleness` must be >= 0 or None, got {self.max_staleness}.")
         if self.in_process_rollouts and self.token_budget is None:

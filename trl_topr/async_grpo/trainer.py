@@ -21,6 +21,7 @@ from ..trl_seam.asynchronous import (
     AsyncRolloutWorker,
     GuardedRolloutWorker,
     count_micro_batch,
+    is_adapter_slots_error,
     peak_flops_guarded,
     train_metrics,
 )
@@ -118,7 +119,7 @@ class TOPRAsyncGRPOTrainer(NamesTheStep, CardOnSave, AsyncGRPOTrainer):
                     **kwargs,
                 )
             except ValueError as error:  # TRL's adapter sync over HTTP sizes the server's adapters by the bound
-                if args.max_staleness == UNBOUNDED_STALENESS and "max_staleness" in str(error):
+                if args.max_staleness == UNBOUNDED_STALENESS and is_adapter_slots_error(error):
                     raise ValueError(
                         "A PEFT adapter synced to a vLLM server over HTTP: TRL keeps loaded on the server the adapter "
                         "of every version a sample may still come from (`max_staleness` + 2 of them, at most the "

@@ -95,3 +95,29 @@ def count_micro_batch(trainer, inputs: dict, forward_seconds: float) -> None:
     trainer._step_seq_len_weighted += mean_length * forwarded
     trainer._step_samples += forwarded / mean_length
     trainer._step_forward_s += forward_seconds
+
+
+def trl_inflight_tasks(args, max_staleness: int) -> int:
+    """
+    The generation tasks TRL's trainer keeps in flight when `max_inflight_tasks` is left to it (-1), for a given
+    `max_staleness`: `max(max_staleness, 1)` optimizer steps of samples, of every process. With every sample kept (a
+    bound TRL would multiply to billions) the configuration sizes them with TRL's default bound instead.
+
+    Args:
+        args: The configuration (`per_device_train_batch_size`, `gradient_accumulation_steps`, `world_size`).
+        max_staleness (`int`): The bound to size them with.
+    """
+    samples_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    return max(max_staleness, 1) * samples_per_step
+
+
+def is_adapter_slots_error(error: Exception) -> bool:
+    """
+    Whether `error` is TRL's refusal to sync a PEFT adapter to a vLLM server over HTTP because the server cannot hold
+    the adapter of every version a sample may still come from (`max_staleness` + 2 at most `--max-loras`): TRL raises
+    it as a plain `ValueError`, told apart by its text.
+
+    Args:
+        error (`Exception`): An error raised while TRL's trainer was built.
+    """
+    return isinstance(error, ValueError) and "max_staleness" in str(error) and "--max-loras" in str(error)
