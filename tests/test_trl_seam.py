@@ -147,3 +147,24 @@ def test_trls_adapter_slots_error_is_told_apart_by_its_text():
     )
     assert trl_seam.is_adapter_slots_error(ValueError("`max_staleness=4` ... `--max-loras 6` ..."))
     assert not trl_seam.is_adapter_slots_error(ValueError("another problem"))
+
+
+def test_sfts_dataset_preparation_keeps_the_signature_the_hooks_call():
+    from trl import SFTTrainer
+
+    found = getattr(SFTTrainer, "_prepare_dataset", None)
+    assert found is not None, "SFTTrainer has no `_prepare_dataset`: SFTTrainerHooks must follow TRL"
+    parameters = list(inspect.signature(found).parameters)
+    expected = ["self", "dataset", "processing_class", "args", "packing", "formatting_func", "dataset_name"]
+    assert parameters == expected, f"SFTTrainer._prepare_dataset takes {parameters}"
+
+
+@pytest.mark.parametrize("name", ["_set_signature_columns_if_needed", "_prepare_inputs"])
+def test_transformers_trainer_steps_the_hooks_stand_for_are_still_there(name):
+    from transformers import Trainer
+
+    assert callable(getattr(Trainer, name, None)), (
+        f"transformers' Trainer has no `{name}`: SFTTrainerHooks must follow"
+    )
+    if name == "_set_signature_columns_if_needed":
+        assert "self._signature_columns" in source_of(Trainer._set_signature_columns_if_needed)

@@ -50,6 +50,7 @@ from .logprobs import (
 from .loss import combine_metrics, topr_loss
 from .tokens import end_of_sequence_ids
 from .trajectories import with_trajectory_ids
+from .trl_seam import SFTTrainerHooks
 
 
 logger = get_logger(__name__)
@@ -261,7 +262,7 @@ class CardOnSave:
         path.write_text(text)
 
 
-class TOPRTrainer(NamesTheStep, CardOnSave, SFTTrainer):
+class TOPRTrainer(NamesTheStep, CardOnSave, SFTTrainerHooks):
     r"""
     Trainer for Tapered Off-Policy REINFORCE (TOPR), from [Tapered Off-Policy REINFORCE: Stable and efficient
     reinforcement learning for LLMs](https://huggingface.co/papers/2503.14286).
@@ -409,7 +410,12 @@ class TOPRTrainer(NamesTheStep, CardOnSave, SFTTrainer):
         elif self.eval_dataset is not None:
             self.eval_dataset = self.precompute_behavior_logps(self.eval_dataset, "eval")
 
-    def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
+    def prepare_dataset(self, dataset, processing_class, args, dataset_name: str):
+        """
+        A dataset prepared for training: multi-turn trajectories cut into the policy's token ids, a sampler's own ids
+        trained exactly, the rest tokenized by SFT's preparation, untruncated, then checked and truncated to
+        `max_length` (every row checked at its index) and shuffled with `args.seed`.
+        """
         if "input_ids" in dataset.column_names:  # already prepared
             return dataset
         # multi-turn messages: cut into the policy's token ids and the rest, as a sampler records them
@@ -420,7 +426,7 @@ class TOPRTrainer(NamesTheStep, CardOnSave, SFTTrainer):
         # Tokenize with TRL's SFT preparation, untruncated, so that the checks below see every row at its index.
         untruncated = copy.copy(args)
         untruncated.max_length, untruncated.shuffle_dataset = None, False
-        dataset = super()._prepare_dataset(dataset, processing_class, untruncated, False, None, dataset_name)
+        dataset = self.sft_prepare_dataset(dataset, processing_class, untruncated, dataset_name)
         dataset = check_and_truncate_tokens(dataset, args.max_length, dataset_name)
         return dataset.shuffle(seed=args.seed) if args.shuffle_dataset else dataset
 
@@ -486,7 +492,7 @@ class TOPRTrainer(NamesTheStep, CardOnSave, SFTTrainer):
         for name, dataset in datasets.items():
             if isinstance(dataset, Dataset) and "input_ids" not in dataset.column_names:  # not prepared yet
                 dataset = validate_and_standardize(dataset, self.args, name)
-                dataset = self._prepare_dataset(dataset, self.processing_class, self.args, False, None, name)
+                dataset = self.prepare_dataset(dataset, self.processing_class, self.args, name)
                 datasets[name] = self.precompute_behavior_logps(dataset, name)
         if eval_dataset is not None and not isinstance(eval_dataset, (dict, str)):
             eval_dataset = datasets[metric_key_prefix]
@@ -494,9 +500,9 @@ class TOPRTrainer(NamesTheStep, CardOnSave, SFTTrainer):
             eval_dataset=eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix
         )
 
-    def _set_signature_columns_if_needed(self):
-        if self._signature_columns is None:
-            self._signature_columns = ["input_ids", "labels", REWARD, BEHAVIOR_LOGPS]
+    def trained_columns(self) -> list[str]:
+        """The columns a batch keeps: the tokens, the labels, the reward and the behavior log-probs."""
+        return ["input_ids", "labels", REWARD, BEHAVIOR_LOGPS]
 
     def logps_settings(self, batch_size: int | None = None) -> LogpsSettings:
         """
@@ -613,7 +619,7 @@ class TOPRTrainer(NamesTheStep, CardOnSave, SFTTrainer):
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         # The fused LM head builds no logits: evaluation reports the TOPR loss and the metrics.
-        inputs = self._prepare_inputs(inputs)
+        inputs = self.prepared_inputs(inputs)
         with torch.no_grad(), self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None

@@ -8,7 +8,7 @@ formulas it does not export, and the one swap TRL leaves no other way to make. E
 
 import contextlib
 
-from trl import GRPOTrainer
+from trl import GRPOTrainer, SFTTrainer
 from trl.data_utils import _tokenize as tokenize_like_trl  # noqa: F401  (what tokens.py tokenizes prompts with)
 from trl.trainer import grpo_trainer
 
@@ -69,3 +69,40 @@ class GRPOTrainerHooks(GRPOTrainer):
 
     def _compute_loss(self, model, inputs):
         return self.policy_loss(model, inputs)
+
+
+class SFTTrainerHooks(SFTTrainer):
+    """
+    TRL's `SFTTrainer` with the private steps the offline trainer changes behind public hooks:
+
+    - `prepare_dataset(dataset, processing_class, args, dataset_name)`: a dataset's preparation (SFT's
+      `_prepare_dataset`, for every dataset it is given), whose default is SFT's own, unpacked
+      (`sft_prepare_dataset`);
+    - `trained_columns()`: the columns a batch keeps (transformers' `_signature_columns`, which otherwise come from the
+      model's `forward`);
+    - `prepared_inputs(inputs)`: a batch moved to the device as training moves it (transformers' `_prepare_inputs`).
+    """
+
+    def prepare_dataset(self, dataset, processing_class, args, dataset_name: str):
+        """A dataset prepared for training: SFT's preparation unless a subclass says otherwise."""
+        return self.sft_prepare_dataset(dataset, processing_class, args, dataset_name)
+
+    def sft_prepare_dataset(self, dataset, processing_class, args, dataset_name: str):
+        """SFT's own preparation of a dataset (tokenization, chat template, `max_length`), unpacked."""
+        return super()._prepare_dataset(dataset, processing_class, args, False, None, dataset_name)
+
+    def trained_columns(self) -> list[str] | None:
+        """The columns a batch keeps; `None`: transformers' choice (the model's `forward` arguments)."""
+        return None
+
+    def prepared_inputs(self, inputs: dict) -> dict:
+        """A batch on the training device, as `Trainer` prepares it."""
+        return self._prepare_inputs(inputs)
+
+    def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
+        return self.prepare_dataset(dataset, processing_class, args, dataset_name)
+
+    def _set_signature_columns_if_needed(self):
+        if self._signature_columns is None and self.trained_columns() is not None:
+            self._signature_columns = self.trained_columns()
+        super()._set_signature_columns_if_needed()
