@@ -168,3 +168,18 @@ def test_transformers_trainer_steps_the_hooks_stand_for_are_still_there(name):
     )
     if name == "_set_signature_columns_if_needed":
         assert "self._signature_columns" in source_of(Trainer._set_signature_columns_if_needed)
+
+
+@pytest.mark.parametrize("name", ["_init_vllm", "_iter_named_params", "_llm_weights_sleeping"])
+def test_trls_vllm_generation_keeps_what_the_hooks_stand_for(name):
+    # VLLMGenerationHooks: the engine's start (called by the constructor), the weights to sync, the sleep state
+    from trl.generation import vllm_generation
+
+    source = source_of(vllm_generation.VLLMGeneration)
+    assert f"self.{name}" in source, (
+        f"TRL's VLLMGeneration no longer uses `{name}`: VLLMGenerationHooks must follow it"
+    )
+    if name == "_init_vllm":
+        assert "self._init_vllm()" in source_of(vllm_generation.VLLMGeneration.__init__), (
+            "TRL's VLLMGeneration no longer starts its engine from its constructor"
+        )

@@ -23,10 +23,10 @@ from typing import Any
 
 from accelerate import PartialState
 from accelerate.logging import get_logger
-from trl.generation.vllm_generation import VLLMGeneration
 
 from ..distributed import on_main_process, together
 from ..tokens import end_of_sequence_ids
+from ..trl_seam import VLLMGenerationHooks
 from .arguments import VLLMArguments
 from .engine import GenerationEngine
 from .settings import SamplingSettings
@@ -87,7 +87,7 @@ class TOPRWorkerExtension:
             LAYERWISE_INFO.pop(module, None)
 
 
-class TOPRVLLMGeneration(VLLMGeneration):
+class TOPRVLLMGeneration(VLLMGenerationHooks):
     """
     TRL's [`~trl.generation.vllm_generation.VLLMGeneration`] (vLLM colocated or as a server), working on vLLM's CPU
     build too, with weight reloads from a folder (`reload_weights`).
@@ -142,10 +142,11 @@ class TOPRVLLMGeneration(VLLMGeneration):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         super().__init__(model, accelerator, processing_class, **kwargs)
 
-    def _init_vllm(self):
+    def start_engine(self):
+        """Connect to the server (every process, or all stop), or start a colocated engine in each process."""
         if self.mode == "server":
             if self.weight_transfer:
-                return super()._init_vllm()
+                return self.trl_start_engine()
             from trl.generation.vllm_client import VLLMClient
 
             # every process sends its own share of the prompts; the main one alone asks for reloads
@@ -156,7 +157,7 @@ class TOPRVLLMGeneration(VLLMGeneration):
         if self.mode != "colocate":
             raise ValueError(f"vllm_mode must be either 'server' or 'colocate', got '{self.mode}'.")
         if self.tensor_parallel_size != 1:  # TRL's subgroups and external launcher, unchanged
-            return super()._init_vllm()
+            return self.trl_start_engine()
         from trl.trainer.utils import ensure_master_addr_port
 
         # As TRL: each training process holds an engine, within the processes' torch.distributed world
@@ -202,15 +203,15 @@ class TOPRVLLMGeneration(VLLMGeneration):
         )
         if self.enable_sleep_mode:
             self.llm.sleep(level=2)
-        self._llm_weights_sleeping = self.enable_sleep_mode
+        self.weights_sleeping = self.enable_sleep_mode
 
     def sync_weights(self):
         """Copy the model's current weights into the engine (TRL's sync, through vLLM's `reload_weights` on CPU)."""
         if self.mode == "server" or not _on_cpu():
             return super().sync_weights()
-        self.llm.collective_rpc("topr_reload_weights", kwargs={"weights": self._iter_named_params()})
+        self.llm.collective_rpc("topr_reload_weights", kwargs={"weights": self.named_parameters_to_sync()})
         self.llm.reset_prefix_cache()
-        self._llm_weights_sleeping = False
+        self.weights_sleeping = False
         return None
 
     def reload_weights(self, folder: str) -> None:
@@ -227,7 +228,7 @@ class TOPRVLLMGeneration(VLLMGeneration):
                 self.llm.wake_up(tags=["weights"])
             self.llm.collective_rpc("topr_reload_weights", kwargs={"weights_path": folder})
             self.llm.reset_prefix_cache()
-            self._llm_weights_sleeping = False
+            self.weights_sleeping = False
             self.accelerator.wait_for_everyone()
         else:  # the main process asks the server; every process goes on from its answer, or stops with it
             on_main_process(lambda: self._reload_server(folder), step=f"reloading the vLLM server with {folder}")
@@ -269,7 +270,7 @@ class TOPRVLLMGeneration(VLLMGeneration):
             yield
             return
         self.llm.wake_up()
-        if self._llm_weights_sleeping:
+        if self.weights_sleeping:
             raise RuntimeError("The engine slept with its weights discarded: call `reload_weights` or `sync_weights`.")
         try:
             yield

@@ -10,6 +10,7 @@ import contextlib
 
 from trl import GRPOTrainer, SFTTrainer
 from trl.data_utils import _tokenize as tokenize_like_trl  # noqa: F401  (what tokens.py tokenizes prompts with)
+from trl.generation.vllm_generation import VLLMGeneration
 from trl.trainer import grpo_trainer
 
 
@@ -106,3 +107,38 @@ class SFTTrainerHooks(SFTTrainer):
         if self._signature_columns is None and self.trained_columns() is not None:
             self._signature_columns = self.trained_columns()
         super()._set_signature_columns_if_needed()
+
+
+class VLLMGenerationHooks(VLLMGeneration):
+    """
+    TRL's `VLLMGeneration` with the private parts trl-topr's engine changes behind public names:
+
+    - `start_engine()`: what its constructor calls to connect to a server or start a colocated engine (TRL's
+      `_init_vllm`), TRL's own unless a subclass says otherwise (`trl_start_engine`);
+    - `weights_sleeping`: whether a colocated engine sleeps with its weights discarded (TRL's `_llm_weights_sleeping`);
+    - `named_parameters_to_sync()`: the model's weights as TRL's sync sends them (TRL's `_iter_named_params`).
+    """
+
+    def start_engine(self):
+        """Connect to the server, or start a colocated engine: TRL's way unless a subclass says otherwise."""
+        return self.trl_start_engine()
+
+    def trl_start_engine(self):
+        """TRL's own start of the engine."""
+        return super()._init_vllm()
+
+    @property
+    def weights_sleeping(self) -> bool:
+        """Whether the colocated engine sleeps with its weights discarded (a sync or reload brings them back)."""
+        return getattr(self, "_llm_weights_sleeping", False)
+
+    @weights_sleeping.setter
+    def weights_sleeping(self, value: bool) -> None:
+        self._llm_weights_sleeping = value
+
+    def named_parameters_to_sync(self):
+        """The model's (name, weight) pairs, as TRL's weight sync sends them to the engine."""
+        return self._iter_named_params()
+
+    def _init_vllm(self):
+        return self.start_engine()
