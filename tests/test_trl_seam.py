@@ -183,3 +183,15 @@ def test_trls_vllm_generation_keeps_what_the_hooks_stand_for(name):
         assert "self._init_vllm()" in source_of(vllm_generation.VLLMGeneration.__init__), (
             "TRL's VLLMGeneration no longer starts its engine from its constructor"
         )
+
+
+@pytest.mark.parametrize("trainer", ["SFTTrainer", "GRPOTrainer", "AsyncGRPOTrainer"])
+def test_trls_model_card_reads_the_name_paper_and_tags_each_trainer_declares(trainer):
+    # every TOPR trainer declares `_tag_names`, `_name` and `_paper` for TRL's `create_model_card`
+    import trl
+
+    cls = getattr(trl, trainer, None) or trl_seam.AsyncGRPOTrainer
+    card = next(c.create_model_card for c in cls.__mro__ if "create_model_card" in c.__dict__)
+    source = source_of(card)
+    missing = [name for name in ("self._name", "self._paper", "self._tag_names") if name not in source]
+    assert not missing, f"TRL's create_model_card no longer reads {missing}: the TOPR trainers' card must follow"
