@@ -1,23 +1,17 @@
 """What the seam takes from TRL's asynchronous trainer (experimental in TRL 1.16: imported only where it is used)."""
 
 import contextlib
-import importlib
 import sys
 import time
 
 import torch
 
+# TRL 1.16 keeps its asynchronous trainer in `trl.experimental.async_grpo` (the only TRL pyproject.toml allows)
+from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker, RolloutSample  # noqa: F401
+from trl.experimental.async_grpo.packing import TREE_ATTENTION  # noqa: F401  (the name TRL registers its attention under)
 
-try:  # TRL 1.18 and later: stable
-    from trl import AsyncGRPOConfig, AsyncGRPOTrainer
-except ImportError:  # TRL 1.16: experimental
-    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
-# TRL's modules of the asynchronous trainer, wherever the installed TRL keeps them
-_PACKAGE = AsyncGRPOTrainer.__module__.rsplit(".", 1)[0]
-_WORKER_MODULE = importlib.import_module(f"{_PACKAGE}.async_rollout_worker")
-RolloutSample, AsyncRolloutWorker = _WORKER_MODULE.RolloutSample, _WORKER_MODULE.AsyncRolloutWorker
-TREE_ATTENTION = importlib.import_module(f"{_PACKAGE}.packing").TREE_ATTENTION
 # TRL's default `max_staleness`, with which it sizes the number of generations in flight
 TRL_MAX_STALENESS = AsyncGRPOConfig.__dataclass_fields__["max_staleness"].default
 GRPO_STD_EPSILON = 1e-8  # TRL's worker: a sample's advantage is (R - mean) / (std + 1e-8) over its prompt's samples
