@@ -4,12 +4,15 @@ import dataclasses
 import math
 import queue
 import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import DEVICES
+from conftest import DEVICES, launch
 from datasets import Dataset
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from trl_topr import TOPRArguments, baseline_for_positive_fraction, topr_loss
@@ -332,3 +335,42 @@ def test_a_token_budgets_uneven_micro_batches_update_like_one_batch(tiny_model_p
     assert counts == [1, 1, 2]
     for name, value in whole.items():
         torch.testing.assert_close(budget[name], value, rtol=1e-4, atol=1e-6, msg=name)
+
+
+ASYNC_WORKER = textwrap.dedent(
+    """
+    import os
+    import sys
+    sys.path.insert(0, {tests!r})
+    from conftest import end_processes
+    from safetensors.torch import save_file
+    from test_async import one_async_sgd_step
+
+    def main(model_path, output_dir, normalization):
+        after, counts = one_async_sgd_step(model_path, output_dir, normalization, per_device_train_batch_size=2)
+        if os.environ["RANK"] == "0":
+            save_file({{name: value.contiguous() for name, value in after.items()}}, output_dir + "/after.safetensors")
+        print("samples in this process's micro-batches:", counts, flush=True)
+
+    main(*sys.argv[1:4])
+    end_processes()
+    """
+)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("normalization", ["sequence_length", "token_mean"])
+def test_two_processes_update_like_one_batch(tiny_model_path, tmp_path, normalization):
+    # The same 4 samples as one process's micro-batch of 4, or split over 2 processes (2 each, a group a process):
+    # R - c is the step's over both processes, and each sample weighs the same in the update
+    script = tmp_path / "worker.py"
+    script.write_text(ASYNC_WORKER.format(tests=str(Path(__file__).parent)))
+    output_dir = tmp_path / "ddp"
+    output_dir.mkdir()
+    result = launch(script, tiny_model_path, output_dir, normalization)
+    assert result.stdout.count("samples in this process's micro-batches: [2]") == 2, result.stdout[-3000:]
+    distributed = load_file(str(output_dir / "after.safetensors"))
+    whole, counts = one_async_sgd_step(tiny_model_path, tmp_path / "one", normalization, per_device_train_batch_size=4)
+    assert counts == [4]
+    for name, value in whole.items():
+        torch.testing.assert_close(distributed[name], value, rtol=1e-4, atol=1e-6, msg=name)
