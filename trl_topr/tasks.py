@@ -13,6 +13,9 @@ from datasets import Dataset
 from .rewards import gold_answer
 
 
+__all__ = ["arithmetic_problems", "calculator", "few_shot_prompts", "solution_text"]
+
+
 INSTRUCTION = "Solve the problem step by step. End your response with 'The answer is N.' where N is the final number."
 
 

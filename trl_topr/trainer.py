@@ -48,9 +48,9 @@ from .logprobs import (
     logps_settings,
 )
 from .loss import combine_metrics, topr_loss
-from .tokens import end_of_sequence_ids
+from .tokens import end_of_sequence_ids, text_tokenizer
 from .trajectories import with_trajectory_ids
-from .trl_seam import SFTTrainerHooks
+from .trl_seam import SFTTrainerHooks, trl_model_card
 
 
 logger = get_logger(__name__)
@@ -262,6 +262,24 @@ class CardOnSave:
         path.write_text(text)
 
 
+# The paper every TOPR trainer's model card cites
+TOPR_PAPER = {
+    "title": "Tapered Off-Policy REINFORCE: Stable and efficient reinforcement learning for LLMs",
+    "id": "2503.14286",
+    # docstyle-ignore
+    "citation": textwrap.dedent("""\
+        @article{leroux2025topr,
+            title        = {{Tapered Off-Policy REINFORCE: Stable and efficient reinforcement learning for LLMs}},
+            author       = {Nicolas Le Roux and Marc G. Bellemare and Jonathan Lebensold and Arnaud Bergeron and
+                            Joshua Greaves and Alex Fr{\\'e}chette and Carolyne Pelletier and
+                            Eric Thibodeau-Laufer and S{\\'a}ndor Toth and Sam Work},
+            year         = 2025,
+            eprint       = {arXiv:2503.14286},
+        }"""),
+}
+
+
+@trl_model_card("TOPR", TOPR_PAPER, ["trl", "topr"])
 class TOPRTrainer(NamesTheStep, CardOnSave, SFTTrainerHooks):
     r"""
     Trainer for Tapered Off-Policy REINFORCE (TOPR), from [Tapered Off-Policy REINFORCE: Stable and efficient
@@ -314,22 +332,6 @@ class TOPRTrainer(NamesTheStep, CardOnSave, SFTTrainerHooks):
             default AdamW and the scheduler set by `args`.
     """
 
-    _tag_names = ["trl", "topr"]
-    _name = "TOPR"
-    _paper = {
-        "title": "Tapered Off-Policy REINFORCE: Stable and efficient reinforcement learning for LLMs",
-        "id": "2503.14286",
-        # docstyle-ignore
-        "citation": textwrap.dedent("""\
-            @article{leroux2025topr,
-                title        = {{Tapered Off-Policy REINFORCE: Stable and efficient reinforcement learning for LLMs}},
-                author       = {Nicolas Le Roux and Marc G. Bellemare and Jonathan Lebensold and Arnaud Bergeron and
-                                Joshua Greaves and Alex Fr{\\'e}chette and Carolyne Pelletier and
-                                Eric Thibodeau-Laufer and S{\\'a}ndor Toth and Sam Work},
-                year         = 2025,
-                eprint       = {arXiv:2503.14286},
-            }"""),
-    }
     # `compute_loss` scales its loss for gradient accumulation itself.
     loss_is_scaled_for_ga = True
 
@@ -391,15 +393,16 @@ class TOPRTrainer(NamesTheStep, CardOnSave, SFTTrainerHooks):
                 peft_config=peft_config,
                 quantization_config=quantization_config,
             )
+        pad_token_id = text_tokenizer(self.processing_class).pad_token_id  # as SFT's own collator pads
         self.data_collator = DataCollatorForTOPR(
-            pad_token_id=self._tokenizer.pad_token_id,
+            pad_token_id=pad_token_id,
             padding_free=self.args.padding_free,
             pad_to_multiple_of=self.args.pad_to_multiple_of,
             length_buckets=compiles_per_length(self.model),
         )
-        self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self._topr_metrics = {"train": defaultdict(list), "eval": defaultdict(list)}  # not SFT's `_metrics`
         if self.args.padding_free:  # before any forward of flattened rows: the precompute's, training's
-            check_sequences_kept_apart(self.model, self._tokenizer.pad_token_id)
+            check_sequences_kept_apart(self.model, pad_token_id)
 
         # mu defaults to the initial policy: computed now, before any update and before a checkpoint is loaded.
         self.train_dataset = self.precompute_behavior_logps(self.train_dataset, "train")
@@ -614,7 +617,7 @@ class TOPRTrainer(NamesTheStep, CardOnSave, SFTTrainerHooks):
                 loss = loss / self.args.gradient_accumulation_steps
         entropy, _ = completion_rows(outputs.entropy[:, 1 - inputs["input_ids"].size(1) :].detach(), inputs)
         metrics["entropy"] = torch.where(completion_mask, entropy, 0.0).sum() / completion_mask.sum().clamp(min=1)
-        record_metrics(self.accelerator, self._metrics[mode], metrics)
+        record_metrics(self.accelerator, self._topr_metrics[mode], metrics)
         return (loss, outputs) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -627,7 +630,7 @@ class TOPRTrainer(NamesTheStep, CardOnSave, SFTTrainerHooks):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         # TOPR's metrics in place of SFTTrainer's own; beside the baseline, the target it was derived from, so that
         # the trainer's state records what trained
-        logs = with_logged_metrics(logs, self._metrics, self.model.training)
+        logs = with_logged_metrics(logs, self._topr_metrics, self.model.training)
         if "baseline" in logs and self.args.target_positive_fraction is not None:
             logs["target_positive_fraction"] = self.args.target_positive_fraction
         super(SFTTrainer, self).log(logs, start_time)

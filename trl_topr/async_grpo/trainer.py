@@ -14,7 +14,8 @@ from ..baseline import topr_baseline
 from ..distributed import NamesTheStep
 from ..loss import METRIC_SUPPORT, ratio_metrics_by, topr_loss
 from ..sampling import RewardFuncs
-from ..trainer import CardOnSave, TOPRTrainer, latest_complete_checkpoint
+from ..trainer import TOPR_PAPER, CardOnSave, latest_complete_checkpoint
+from ..trl_seam import trl_model_card
 from ..trl_seam.asynchronous import (
     TREE_ATTENTION,
     AsyncGRPOTrainer,
@@ -34,6 +35,7 @@ from .worker import SamplerRolloutWorker
 logger = get_logger(__name__)
 
 
+@trl_model_card("TOPR-AsyncGRPO", TOPR_PAPER, ["trl", "topr", "async-grpo"])
 class TOPRAsyncGRPOTrainer(NamesTheStep, CardOnSave, AsyncGRPOTrainer):
     r"""
     Asynchronous Tapered Off-Policy REINFORCE: TRL's `AsyncGRPOTrainer` with TOPR's loss, from [Tapered Off-Policy
@@ -72,10 +74,6 @@ class TOPRAsyncGRPOTrainer(NamesTheStep, CardOnSave, AsyncGRPOTrainer):
         **kwargs (`Any`):
             TRL's other arguments (`callbacks`, `optimizers`, `peft_config`, `tools`, `environment_factory`).
     """
-
-    _tag_names = ["trl", "topr", "async-grpo"]
-    _name = "TOPR-AsyncGRPO"
-    _paper = TOPRTrainer._paper
 
     def __init__(
         self,

@@ -37,6 +37,27 @@ def grpo_builds_vllm_with(generation_class: type):
         grpo_trainer.VLLMGeneration = original
 
 
+def trl_model_card(name: str, paper: dict, tags: list[str]):
+    """
+    A class decorator that declares what TRL's `create_model_card` reads of a trainer class to write its model card:
+    the class attributes `_name`, `_paper` and `_tag_names`, private names each of TRL's trainers declares.
+
+    Args:
+        name (`str`):
+            The trainer's name on the card (e.g. `"TOPR"`).
+        paper (`dict`):
+            The method's paper: `title`, `id` (its arXiv id) and `citation` (BibTeX).
+        tags (`list[str]`):
+            The tags of the card (and of a model pushed to the Hub).
+    """
+
+    def declare(cls: type) -> type:
+        cls._name, cls._paper, cls._tag_names = name, paper, tags
+        return cls
+
+    return declare
+
+
 class GRPOTrainerHooks(GRPOTrainer):
     """
     TRL's `GRPOTrainer` with the private steps the online trainer changes behind public hooks, so that TRL's private
