@@ -1,11 +1,13 @@
 """The iterative benchmark's learning-rate search: which rates an arm scores (`sweep`, `climb`), which wins
 (`best_rate`), and what the protocol may still train (`plan`)."""
 
+import math
 import statistics
 
 from arms import ARMS
 
 
+LADDER = (1, 3)  # a decade's leading digits of the rates searched: 1e-5, 3e-5, 1e-4, ...
 PAST_EDGE = 2  # the most rates a sweep follows its best past the grid's edge
 
 
@@ -36,11 +38,12 @@ def climb(rates: list[float], score, done, past_edge: int = PAST_EDGE) -> dict |
     return scores
 
 
-def bracket(start: float, score, most: int = 6) -> dict | None:
+def bracket(start: float, score, most: int = 6, ladder: tuple[int, ...] = LADDER) -> dict | None:
     """A learning-rate search that ends with its best rate interior: `score(start)`, then the next rate down the
-    1-3-10 ladder, and on past whichever edge of the rates scored holds the best (down first) until the best has a
-    rate scored on each side of it, which by definition scores lower (ties go to the smaller rate). At most `most`
-    rates. Returns {rate: score}, or None when `score` returns None (no time left to run that rate)."""
+    ladder (1-3-10 by default; 1-2-5-10, steps of about 2, with `ladder=(1, 2, 5)`), and on past whichever edge of the
+    rates scored holds the best (down first) until the best has a rate scored on each side of it, which by definition
+    scores lower (ties go to the smaller rate). At most `most` rates. Returns {rate: score}, or None when `score`
+    returns None (no time left to run that rate)."""
     scores = {}
     rate = start
     while len(scores) < most:
@@ -51,7 +54,8 @@ def bracket(start: float, score, most: int = 6) -> dict | None:
         best = best_rate(scores)
         if min(scores) < best < max(scores):
             break
-        rate = beyond(min(scores), up=False) if best == min(scores) else beyond(max(scores), up=True)
+        down = best == min(scores)  # the best at the lower edge: further down, else further up
+        rate = beyond(min(scores) if down else max(scores), up=not down, ladder=ladder)
     return scores
 
 
@@ -64,11 +68,13 @@ def best_rate(scores: dict) -> float:
     return max(scores, key=lambda rate: (scores[rate], -rate))  # ties: the smaller rate
 
 
-def beyond(rate: float, up: bool) -> float:
-    """The next rate past `rate` on the 1-3-10 ladder (..., 1e-5, 3e-5, 1e-4, ...)."""
-    threes = f"{rate:.0e}".startswith("3")
-    factor = (10 / 3 if threes else 3) if up else (3 if threes else 10 / 3)
-    return float(f"{rate * factor if up else rate / factor:.0e}")
+def beyond(rate: float, up: bool, ladder: tuple[int, ...] = LADDER) -> float:
+    """The next rate past `rate` on a ladder of leading digits, each decade alike: 1-3-10 by default (..., 1e-5, 3e-5,
+    1e-4, ...), 1-2-5-10 with `ladder=(1, 2, 5)` (..., 1e-4, 2e-4, 5e-4, 1e-3, ...)."""
+    exponent = math.floor(math.log10(rate) + 1e-9)
+    rungs = [digit * 10.0**power for power in (exponent - 1, exponent, exponent + 1) for digit in ladder]
+    nearest = min(range(len(rungs)), key=lambda i: abs(math.log(rungs[i] / rate)))
+    return float(f"{rungs[nearest + (1 if up else -1)]:.0e}")
 
 
 def reference(setting: dict, method: str) -> str | None:

@@ -1,5 +1,5 @@
 """Asynchronous training under staleness, at equal sampling budgets: how stale can samples grow before each loss stops
-learning, and how much of the sampling budget does dropping them waste?
+learning, and is the taper what keeps stale negatives safe?
 
     python benchmarks/staleness.py --plan            # the runs the protocol may train, and their hours
     python benchmarks/staleness.py                   # train what the ledger lacks (resumable), then write the results
@@ -8,24 +8,32 @@ learning, and how much of the sampling budget does dropping them waste?
 TRL's asynchronous GRPO trainer (`AsyncGRPOTrainer`) trains on samples a worker drew from earlier versions of the
 policy. Here the worker is `SamplerRolloutWorker` in the training process, drawing from the policy `lag` versions
 (weight syncs, one a step) back, so that staleness is set and reproducible; TRL's pipeline batches one step ahead, so
-a sample is trained at staleness lag + 1 (0 + 1 at lag 0). Arms, each on the same prompts and seeds:
+a sample is trained at staleness lag + 1 (0 + 1 at lag 0). The trainer computes each sample's R - c from its reward
+as it does with TRL's own worker. Arms, each on the same prompts and seeds:
 
 - `topr`: [`TOPRAsyncGRPOTrainer`], TOPR's loss with the target positive fraction 0.8, every sample kept;
+- `reinforce`: the same R - c with every negative at weight 1 (`loss_type="reinforce"`): stale negatives untapered;
+- `tis`: the same R - c with every sample, positive or negative, at clip(pi/mu, 0, 1) (truncated IS);
 - `positives_only`: the same trainer with `loss_type="positives_only"` (SFT on the correct samples), every sample kept;
-- `trl`: TRL's loss as shipped (token-level PPO clip on GRPO's group-normalised advantages), samples more than
-  `max_staleness=4` versions old dropped (TRL's default): they still cost what they cost to sample;
-- `trl+keep`: TRL's loss with every sample kept. At lags 0 and 2 nothing is dropped, so it is `trl`'s runs there.
+- `trl`: TRL's loss as shipped (token-level PPO clip on GRPO's group-normalised advantages) as its own worker runs it:
+  that worker keeps at most `max_staleness=4` versions' worth of samples in flight and makes the trainer wait for a
+  slower sampler rather than drop, so at lags past 4 the arm's samples are trained at lag 4 (its lag-4 runs,
+  `CAPPED`); its cost there is the waiting, in time, which this benchmark does not measure;
+- `trl+keep`: TRL's loss with every sample kept at every lag. At lags 0 and 2 it is `trl`'s runs.
 
 Every step samples fresh prompts (4 prompts x 8 samples) from a pool disjoint from validation and test, none twice in
-a run; each run samples the same `budget` of completions, dropped ones included, and is evaluated on the validation
-and test prompts (sampled pass@1, k samples each, per prompt) each time another `every` completions have been
-sampled: the curve per sampled completion. Each arm's learning rate is bracketed at lag 0 on seeds 100 and 101 until
-its best is interior (`search.bracket`), then held at every lag and on seeds 0-7, which the readings take (the rates
-are not chosen on them); `trl+keep` runs at `trl`'s rate. Every finished run (arm, lag,
-rate, seed) is recorded in `runs/<arm>-lag<k>.jsonl` of --out and never trained again. Writes `results.json`,
-`table.md` (test sampled pass@1 at each arm's rate, by lag and completions sampled, with the share of the samples
-each arm dropped) and `readings.md` (TOPR against each arm at each lag; each arm's gain over its start and its area
-against its own at lag 0; paired by seed and test prompt, with the seed-level interval beside).
+a run; each run samples the same `budget` of completions and is evaluated on the validation and test prompts (sampled
+pass@1, k samples each, per prompt) each time another `every` completions have been sampled: the curve per sampled
+completion. Each arm's learning rate is bracketed at lag 0 on seeds 100 and 101 on a ladder of steps of about 2
+(`ladder`: 1e-4, 2e-4, 5e-4, ...) until its best is interior (`search.bracket`), the best and its two neighbours are
+scored again at the largest lag on the same seeds (whether the best moves), and the rate chosen at lag 0 is held at
+every lag and on seeds 0-7, which the readings take (the rates are not chosen on them); `trl+keep` runs at `trl`'s
+rate. A run collapsed where its last test sampled pass@1 is below `collapse` (0.5) of its start; every reading prints
+how many did. Every finished run (arm, lag, rate, seed) is recorded in `runs/<arm>-lag<k>.jsonl` of --out with the
+command and commit that trained it, and never trained again. Writes `results.json`, `table.md` (test sampled pass@1
+at each arm's rate, by lag and completions sampled, with the share of the samples each arm dropped) and
+`readings.md` (TOPR against each arm at each lag; each arm's gain over its start and its area against its own at lag
+0; paired by seed and test prompt, with the seed-level interval beside).
 """
 
 import argparse
@@ -43,19 +51,25 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 from ledger import Ledger
 from paired import paired_difference
-from provenance import save
-from search import best_rate, bracket
+from provenance import code_version, save, script_command
+from search import LADDER, best_rate, beyond, bracket
 from tasks import PRETRAIN_ROWS, pretrain_reverser, reversal_answer, reversal_reward, reversal_rows
 
 
 ARMS = {
     "topr": {"loss_type": "topr", "target_positive_fraction": 0.8},
+    "reinforce": {"loss_type": "reinforce", "target_positive_fraction": 0.8},  # TOPR's R - c, negatives untapered
+    "tis": {"loss_type": "tis", "target_positive_fraction": 0.8},  # TOPR's R - c, every sample clip(pi/mu, 0, 1)
     "positives_only": {"loss_type": "positives_only"},
-    "trl": {"trl_loss": True, "max_staleness": 4},
+    "trl": {"trl_loss": True, "max_staleness": 4},  # as TRL's worker runs: past its bound it waits (`CAPPED`)
     "trl+keep": {"trl_loss": True},
 }
 SAME_AS = {("trl+keep", 0): "trl", ("trl+keep", 2): "trl"}  # runs that are another arm's: nothing is dropped there
 RATE_OF = {"trl+keep": "trl"}  # an arm held at another's rate
+# TRL's own worker keeps at most `max_staleness` versions' worth of samples in flight: a sampler slower than that makes
+# the trainer wait for it, and no sample is dropped. At a lag past the bound the arm's samples are trained at the bound
+# (its runs at that lag); what it costs is the trainer's waiting, in time, which this benchmark does not measure.
+CAPPED = {"trl": 4}
 SETTING = {
     "prompts": 4,  # a step's prompts
     "num_samples": 8,
@@ -69,10 +83,12 @@ SETTING = {
     "seeds": 8,  # the seeds of the readings: 0-7
     "sweep_seeds": [100, 101],  # the seeds the rates are chosen on, none of them a seed of the readings
     "start_lr": 1e-4,
+    "ladder": [1, 2, 5],  # the rates' leading digits: steps of about 2 (1e-4, 2e-4, 5e-4, 1e-3, ...)
+    "collapse": 0.5,  # a run collapsed: its last test sampled pass@1 below this share of its start
     "run_seconds": 60,
     "description": "tiny Llama, reverse 4 digits",
 }
-QUICK = {"budget": 64, "every": 32, "val": 8, "test": 8, "lags": [0, 2], "seeds": 2, "sweep_seeds": [100]}
+QUICK = {"budget": 64, "every": 32, "val": 8, "test": 8, "lags": [0, 8], "seeds": 2, "sweep_seeds": [100]}
 
 
 class BudgetSpent(Exception):
@@ -226,13 +242,20 @@ class Runs:
         self.started, self.trained = time.perf_counter(), 0
 
     @staticmethod
-    def key(arm: str, lag: int) -> str:
-        return f"{SAME_AS.get((arm, lag), arm)}-lag{lag}"
+    def source(arm: str, lag: int) -> tuple[str, int]:
+        """The arm and lag whose runs an arm's runs at a lag are: another arm's where they are the same (`SAME_AS`),
+        the bound's where its worker waits past it (`CAPPED`)."""
+        lag = min(lag, CAPPED.get(arm, lag))
+        return SAME_AS.get((arm, lag), arm), lag
+
+    def key(self, arm: str, lag: int) -> str:
+        arm, lag = self.source(arm, lag)
+        return f"{arm}-lag{lag}"
 
     def available(self, arm: str, lag: int, lr: float, seed: int) -> bool:
         if self.ledger.get(self.key(arm, lag), lr, seed) is not None:
             return True
-        if self.args.report_only or SAME_AS.get((arm, lag), arm) not in self.arms:
+        if self.args.report_only or self.source(arm, lag)[0] not in self.arms:
             return False
         limit = self.args.time_limit
         return limit is None or not self.trained or time.perf_counter() - self.started <= 60 * limit
@@ -243,7 +266,8 @@ class Runs:
             return entry
         started = time.perf_counter()
         folder = self.work / key / f"lr{lr:g}" / f"seed{seed}"
-        checkpoints = run(self.setting, SAME_AS.get((arm, lag), arm), lr, lag, seed, folder)
+        arm, lag = self.source(arm, lag)
+        checkpoints = run(self.setting, arm, lr, lag, seed, folder)
         entry = {
             "method": key,
             "lr": lr,
@@ -253,6 +277,8 @@ class Runs:
             "seconds": round(time.perf_counter() - started),
             "resumed": False,
             "rounds": checkpoints,
+            "command": script_command(__file__, self.args.argv),  # each run with the call that trained it
+            **code_version(),
         }
         self.ledger.add(entry)
         self.trained += 1
@@ -260,23 +286,42 @@ class Runs:
         print(f"{key} lr {lr:g} seed {seed}: validation {curve} ({entry['seconds']} s)", file=sys.stderr, flush=True)
         return entry
 
-    def score(self, arm: str, lr: float) -> float | None:
+    def score(self, arm: str, lr: float, lag: int = 0) -> float | None:
         values = []
         for seed in self.setting["sweep_seeds"]:
-            if not self.available(arm, 0, lr, seed):
+            if not self.available(arm, lag, lr, seed):
                 return None
-            values.append(self.run(arm, 0, lr, seed)["validation"]["mean"])
+            values.append(self.run(arm, lag, lr, seed)["validation"]["mean"])
         return statistics.fmean(values)
 
+    def rates(self, arm: str) -> dict | None:
+        """An arm's rates: bracketed at lag 0 on the sweep seeds (steps of the scale's `ladder`) until its best is
+        interior, then the best and the rates either side of it scored at the largest lag on the same seeds (does the
+        best move?)."""
+        ladder = tuple(self.setting.get("ladder", LADDER))
+        scores = bracket(self.setting["start_lr"], lambda lr: self.score(arm, lr), ladder=ladder)
+        if scores is None:
+            return None
+        best = best_rate(scores)
+        rates = {"best": best, "scores": {f"{k:g}": v for k, v in scores.items()}}
+        if "ladder" not in self.setting:  # the first protocol: chosen at lag 0 alone
+            return rates
+        lag = max(self.setting["lags"])
+        near = [beyond(best, up=False, ladder=ladder), best, beyond(best, up=True, ladder=ladder)]
+        stale = {rate: self.score(arm, rate, lag) for rate in near}
+        if None not in stale.values():
+            rates[f"scores_at_lag_{lag}"] = {f"{k:g}": v for k, v in stale.items()}
+            rates[f"best_at_lag_{lag}"] = best_rate(stale)
+        return rates
+
     def results(self) -> dict:
-        """Each swept arm's bracket at lag 0, then every lag and seed at its best rate."""
+        """Each swept arm's rates (`rates`), then every lag and seed at its best rate at lag 0."""
         results = {"arms": {}, "rates": {}}
         for arm in ARMS:
             if arm in RATE_OF:
                 continue
-            scores = bracket(self.setting["start_lr"], lambda lr, arm=arm: self.score(arm, lr))
-            if scores is not None:
-                results["rates"][arm] = {"best": best_rate(scores), "scores": {f"{k:g}": v for k, v in scores.items()}}
+            if (rates := self.rates(arm)) is not None:
+                results["rates"][arm] = rates
         for arm in ARMS:
             rate = results["rates"].get(RATE_OF.get(arm, arm), {}).get("best")
             if rate is None:
@@ -292,6 +337,7 @@ class Runs:
                     "lag": lag,
                     "lr": rate,
                     "runs": [r["rounds"] for r in runs],
+                    **({"trained_lag": self.source(arm, lag)[1]} if arm in CAPPED else {}),
                 }
         return results
 
@@ -303,28 +349,46 @@ def plan(setting: dict, ledger: Ledger) -> str:
     each = statistics.fmean(finished) if finished else setting["run_seconds"]
     swept = [arm for arm in ARMS if arm not in RATE_OF]
     bracket_runs = 3 * len(setting["sweep_seeds"]) * len(swept)
-    lag_runs = sum(1 for arm in ARMS for lag in setting["lags"] if (arm, lag) not in SAME_AS) * setting["seeds"]
-    total = bracket_runs + lag_runs
+    check_runs = 2 * len(setting["sweep_seeds"]) * len(swept) if "ladder" in setting else 0  # at the largest lag
+    sources = {Runs.source(arm, lag) for arm in ARMS for lag in setting["lags"]}
+    lag_runs = len(sources) * setting["seeds"]
+    total = bracket_runs + check_runs + lag_runs
     hours = max(total - len(ledger.runs), 0) * each / 3600
     return (
-        f"At least {total} runs ({bracket_runs} in the brackets at lag 0, {lag_runs} at the best rates), "
+        f"At least {total} runs ({bracket_runs} in the brackets at lag 0, {check_runs} checking them at the largest "
+        f"lag, {lag_runs} at the best rates), "
         f"{len(ledger.runs)} done, {each / 60:.1f} min a run: {hours:.1f} h to go on one process, about "
         f"{hours / 2:.1f} h on two (--arms split between them, one thread each)"
     )
 
 
+def collapsed(runs: list[list[dict]], setting: dict) -> str:
+    """How many of the runs collapsed (last test sampled pass@1 below `collapse` of its start), "k of n"; "" where the
+    protocol does not count them."""
+    if "collapse" not in setting:
+        return ""
+    count = sum(run[-1]["test/pass@1"] < setting["collapse"] * run[0]["test/pass@1"] for run in runs)
+    return f"{count} of {len(runs)}"
+
+
 def curve_table(results: dict, setting: dict) -> str:
-    """Test sampled pass@1 at each checkpoint (mean over seeds), by arm and lag, at each arm's rate."""
+    """Test sampled pass@1 at each checkpoint (mean over seeds), by arm and lag, at each arm's rate (with the lag its
+    samples were trained at, where its worker waits past a bound, and the runs that collapsed)."""
     marks = list(range(0, setting["budget"] + 1, setting["every"]))
-    lines = ["| arm | lag | rate | seeds | " + " | ".join(str(m) for m in marks) + " | dropped |"]
-    lines.append("|---" * (len(marks) + 5) + "|")
+    counted = "collapse" in setting
+    extra = " trained at lag | collapsed |" if counted else ""
+    lines = ["| arm | lag | rate | seeds | " + " | ".join(str(m) for m in marks) + " | dropped |" + extra]
+    lines.append("|---" * (len(marks) + 5 + 2 * counted) + "|")
     for arm in sorted(results["arms"].values(), key=lambda arm: (arm["lag"], arm["arm"])):
         if not arm["runs"]:
             continue
         means = [statistics.fmean(run[i]["test/pass@1"] for run in arm["runs"]) for i in range(len(marks))]
         dropped = statistics.fmean(run[-1]["dropped"] / setting["budget"] for run in arm["runs"])
         cells = " | ".join(f"{m:.3f}" for m in means)
-        lines.append(f"| {arm['arm']} | {arm['lag']} | {arm['lr']:g} | {len(arm['runs'])} | {cells} | {dropped:.0%} |")
+        line = f"| {arm['arm']} | {arm['lag']} | {arm['lr']:g} | {len(arm['runs'])} | {cells} | {dropped:.0%} |"
+        if counted:
+            line += f" {arm.get('trained_lag', arm['lag'])} | {collapsed(arm['runs'], setting)} |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -337,8 +401,10 @@ def learning(results: dict, setting: dict) -> str:
     checkpoint minus at the start ("above": it learned), and its area at each lag minus its own at lag 0 ("below":
     staleness cost it), paired by seed and test prompt, with the seed-level interval; a reading only where both
     exclude 0."""
+    counted = "collapse" in setting
     lines = ["| arm | lag | seeds | last minus start | learned | area minus lag 0's | against lag 0 |"]
-    lines.append("|---|---|---|---|---|---|---|")
+    lines = [lines[0] + " collapsed |"] if counted else lines
+    lines.append("|---" * (7 + counted) + "|")
     for arm in ARMS:
         fresh = arm_runs(results, arm, 0)
         for lag in setting["lags"]:
@@ -351,6 +417,7 @@ def learning(results: dict, setting: dict) -> str:
             if lag and len(fresh) >= len(runs):
                 cost = paired_difference(runs, fresh[: len(runs)], list(range(1, count)), setting["k"])
                 cells = [cost.text(), cost.reading]
+            cells += [collapsed(runs, setting)] if counted else []
             lines.append(
                 f"| {arm} | {lag} | {len(runs)} | {gain.text()} | {gain.reading} | " + " | ".join(cells) + " |"
             )
@@ -360,13 +427,13 @@ def learning(results: dict, setting: dict) -> str:
 def readings(results: dict, setting: dict) -> str:
     """TOPR against each other arm at each lag: the paired difference of test sampled pass@1 over the checkpoints
     after the start (area) and at the last, with the seed-level interval; "above" only where both exclude 0."""
-    lines = [
-        "| lag | TOPR minus | seeds | area | area reading | last | last reading |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    counted = "collapse" in setting
+    lines = ["| lag | TOPR minus | seeds | area | area reading | last | last reading |"]
+    lines = [lines[0] + " collapsed, TOPR | collapsed, the other |"] if counted else lines
+    lines.append("|---" * (7 + 2 * counted) + "|")
     for lag in setting["lags"]:
         topr = arm_runs(results, "topr", lag)
-        for other in ("positives_only", "trl", "trl+keep"):
+        for other in [arm for arm in ARMS if arm != "topr"]:
             runs = arm_runs(results, other, lag)
             seeds = min(len(topr), len(runs))
             if seeds < 2:
@@ -374,9 +441,10 @@ def readings(results: dict, setting: dict) -> str:
             count = len(topr[0])
             area = paired_difference(topr[:seeds], runs[:seeds], list(range(1, count)), setting["k"])
             last = paired_difference(topr[:seeds], runs[:seeds], [count - 1], setting["k"])
-            lines.append(
-                f"| {lag} | {other} | {seeds} | {area.text()} | {area.reading} | {last.text()} | {last.reading} |"
-            )
+            line = f"| {lag} | {other} | {seeds} | {area.text()} | {area.reading} | {last.text()} | {last.reading} |"
+            if counted:
+                line += f" {collapsed(topr[:seeds], setting)} | {collapsed(runs[:seeds], setting)} |"
+            lines.append(line)
     return "\n".join(lines)
 
 
@@ -385,7 +453,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes")
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), help="the arms to train (default: all)")
     parser.add_argument("--work", help="unfinished runs (default: outputs/staleness[-quick])")
-    parser.add_argument("--out", help="results (default: benchmarks/results/staleness)")
+    parser.add_argument("--out", help="results (default: benchmarks/results/staleness-v2)")
     parser.add_argument("--time_limit", type=float, help="minutes: stop after the run that crosses it")
     parser.add_argument("--report_only", action="store_true", help="write the finished runs' results, train nothing")
     parser.add_argument("--plan", action="store_true", help="print the runs and their hours, train nothing")
@@ -394,10 +462,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> str:
     args = parse_args(argv)
+    args.argv = argv  # what each run records of the call that trained it
     suffix = "-quick" if args.quick else ""
     work = Path(args.work or ROOT / "outputs" / f"staleness{suffix}")
     out = Path(
-        args.out or ROOT / ("outputs/staleness-results-quick" if args.quick else "benchmarks/results/staleness")
+        args.out or ROOT / ("outputs/staleness-results-quick" if args.quick else "benchmarks/results/staleness-v2")
     )
     started = time.time()
     ledger = Ledger(out)

@@ -626,14 +626,15 @@ def test_iterative_bracket_ends_with_an_interior_best_and_references_take_its_ra
 
 
 def test_staleness_benchmark_gives_every_arm_the_same_budget_and_counts_what_it_drops(capsys, tmp_path):
-    # The quick protocol end to end: every arm at lags 0 and 2 on two seeds, each sampling the same budget and
-    # evaluated at the same marks; the rates chosen on a seed the readings do not take; TRL's arm keeps its samples at
-    # these lags (nothing is old enough), so its runs serve `trl+keep` there
+    # The quick protocol end to end: every arm at lags 0 and 8 on two seeds, each sampling the same budget and
+    # evaluated at the same marks; the rates chosen on a seed the readings do not take, on steps of about 2, and
+    # scored again at lag 8; TRL's arm as its worker runs: its runs serve `trl+keep` at lag 0 (nothing is old enough
+    # to drop), and at lag 8 its samples are trained at its bound, 4, none dropped
     staleness = load("staleness")
     out = tmp_path / "out"
     staleness.main(["--quick", "--work", str(tmp_path / "work"), "--out", str(out)])
     results = json.loads((out / "results.json").read_text())
-    assert set(results["arms"]) == {f"{arm}@{lag}" for arm in staleness.ARMS for lag in (0, 2)}
+    assert set(results["arms"]) == {f"{arm}@{lag}" for arm in staleness.ARMS for lag in (0, 8)}
     quick = staleness.QUICK
     for arm in results["arms"].values():
         assert len(arm["runs"]) == quick["seeds"]
@@ -641,10 +642,20 @@ def test_staleness_benchmark_gives_every_arm_the_same_budget_and_counts_what_it_
             assert [c["samples"] for c in run] == list(range(0, quick["budget"] + 1, quick["every"]))
             assert len(run[-1]["test/correct"]) == quick["test"] and run[-1]["dropped"] == 0
     assert results["arms"]["trl+keep@0"]["runs"] == results["arms"]["trl@0"]["runs"]
+    assert results["arms"]["trl@8"]["trained_lag"] == 4 and (out / "runs" / "trl-lag4.jsonl").exists()
+    assert not (out / "runs" / "trl-lag8.jsonl").exists()
     sweep = {json.loads(line)["seed"] for path in (out / "runs").glob("*lag0.jsonl") for line in path.open()}
     assert set(quick["sweep_seeds"]) <= sweep and set(quick["sweep_seeds"]).isdisjoint(range(quick["seeds"]))
+    for arm, rates in results["rates"].items():
+        scored = sorted(float(rate) for rate in rates["scores"])
+        assert all(0.35 <= low / high <= 0.55 for low, high in zip(scored, scored[1:])), (arm, scored)  # 1-2-5
+        assert len(rates["scores_at_lag_8"]) == 3 and rates["best_at_lag_8"] > 0
     readings = (out / "readings.md").read_text()
-    assert "| 0 | trl |" in readings and "(seeds [" in readings
+    for other in ("reinforce", "tis", "positives_only", "trl", "trl+keep"):
+        assert f"| 8 | {other} |" in readings
+    assert "(seeds [" in readings and " of 2 |" in readings  # both intervals, and the collapsed runs counted
+    entry = json.loads((out / "runs" / "topr-lag0.jsonl").read_text().splitlines()[0])
+    assert entry["command"].startswith("python benchmarks/staleness.py --quick") and entry["commit"]
     check_provenance(
         out, "python benchmarks/staleness.py --quick --work " + str(tmp_path / "work") + " --out " + str(out)
     )
