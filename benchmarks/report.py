@@ -1473,13 +1473,6 @@ QUOTES: dict[str, tuple] = {
     "gpu-h200.mfu_topr": (column_span, "gpu-h200/mfu", "TOPR MFU", "table.md", 1),
     "gpu-h200.step": (table, "gpu-h200/step"),
     "gpu-h200.qlora_loop": (log_match, "gpu-h200", "qlora-loop.log", r"Done in [^.]*"),
-    "async-throughput.machine": (machine, "async-throughput"),
-    "async-throughput.commit": (commit, "async-throughput"),
-    "async-throughput.table": (table, "async-throughput"),
-    "async-throughput.ratio": (result_value, "async-throughput", "ratio", "{:.2f}"),
-    "async-throughput.rollout_wait": (result_value, "async-throughput", ("arms", "async", "rollout_wait_s"), duration),
-    "async-throughput.sync_sampling": (result_value, "async-throughput", ("arms", "sync", "sampling_s"), duration),
-    "async-throughput.sync_training": (result_value, "async-throughput", ("arms", "sync", "training_s"), duration),
     "iterative-fast.difference.paper_grpo.area": (iterative_difference, FAST, "topr", "grpo"),
     "iterative-real-v2.difference.paper_replay_grpo.area": (
         iterative_difference,

@@ -682,3 +682,21 @@ def test_iterative_seeds_option_plans_more_seeds_beside_the_committed_results(tm
     assert f"then seeds up to {seeds + 4} at the best" in text
     assert iterative.SCALES["fast"]["seeds"] == seeds
     assert f"then seeds up to {seeds - 1} at the best" in iterative.main(["--out", str(tmp_path), "--plan"])
+
+
+def test_iterative_last_test_round_samples_as_many_as_asked_for_pass_at_k(tmp_path):
+    # `--last_test_samples`: where the test split is evaluated at `test_rounds`, the last round draws that many samples
+    # a prompt (its per-prompt counts read pass@k up to it) and the earlier rounds the scale's k; each line says which
+    iterative = load("iterative")
+    work, folder = tmp_path / "work", tmp_path / "run"
+    setting = dict(iterative.setup("fast", work, quick=True), rounds=1, test_rounds=[0, 1], last_test_samples=3)
+    prompts = len(setting["test"])
+    shutil.copytree(setting["model"], folder / "round-1")  # the last round's model: the start's, for the test
+    iterative.evaluate_test(setting, folder, 0, work, use_vllm=False)
+    lines = [json.loads(line) for line in (folder / "test.jsonl").read_text().splitlines()]
+    assert [(line["round"], line["samples"]) for line in lines] == [(0, setting["k"]), (1, 3)]
+    for line in lines:
+        assert len(line["correct"]) == prompts and all(0 <= c <= line["samples"] for c in line["correct"])
+        assert line["pass@1"] == pytest.approx(sum(line["correct"]) / (prompts * line["samples"]))
+    with pytest.raises(ValueError, match="--last_test_samples: the fast scale evaluates the test split every round"):
+        iterative.main(["--scale", "fast", "--last_test_samples", "16", "--out", str(tmp_path / "out"), "--plan"])
