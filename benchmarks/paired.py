@@ -36,8 +36,10 @@ class Difference:
 
     def seed_interval(self) -> tuple[float, float]:
         """The 95% t interval of the mean over the seeds of each seed's difference (the prompts fixed): the
-        seed-level reading, which a few seeds leave wide; (nan, nan) with fewer than two seeds."""
-        return seed_interval(self.by_seed)
+        seed-level reading, which a few seeds leave wide, bounded to [-1, +1], the range a difference of two rates
+        can take; (nan, nan) with fewer than two seeds."""
+        low, high = seed_interval(self.by_seed)
+        return (max(low, -1.0), min(high, 1.0)) if low == low else (low, high)  # nan stays nan
 
     @property
     def reading(self) -> str:
@@ -86,13 +88,13 @@ def seed_interval(values: list[float]) -> tuple[float, float]:
 
 
 def prompt_scores(run: list[dict], rounds: list[int], k: int) -> list[float]:
-    """Each test prompt's sampled pass@1 (its correct samples over `k`), averaged over `rounds` of a run (one round:
-    that round's)."""
+    """Each test prompt's sampled pass@1 (its correct samples over the round's samples a prompt: `test/samples` where
+    the round records it, else `k`), averaged over `rounds` of a run (one round: that round's)."""
     missing = [r for r in rounds if run[r].get("test/correct") is None]
     if missing:
         raise ValueError(f"rounds {missing} of the run have no per-prompt test outcomes (`test/correct`)")
-    per_round = [run[r]["test/correct"] for r in rounds]
-    return [sum(outcomes) / (k * len(rounds)) for outcomes in zip(*per_round, strict=True)]
+    per_round = [[c / run[r].get("test/samples", k) for c in run[r]["test/correct"]] for r in rounds]
+    return [sum(scores) / len(rounds) for scores in zip(*per_round, strict=True)]
 
 
 def paired_difference(

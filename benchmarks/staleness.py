@@ -88,6 +88,9 @@ SETTING = {
     "run_seconds": 60,
     "description": "tiny Llama, reverse 4 digits",
 }
+# The same benchmark from a start where positives are scarce (sampled pass@1 about 0.02-0.08: 120 SFT steps of the
+# reverser, `tasks.pretrain_reverser`), where dropping negatives wastes most of the sampling: `--start scarce`
+SCARCE = {"pretrain_steps": 120, "arms": ["topr", "reinforce", "positives_only"], "lags": [0, 8]}
 QUICK = {"budget": 64, "every": 32, "val": 8, "test": 8, "lags": [0, 8], "seeds": 2, "sweep_seeds": [100]}
 
 
@@ -95,16 +98,16 @@ class BudgetSpent(Exception):
     """The run has sampled its budget."""
 
 
-def setup(work: Path, quick: bool) -> dict:
+def setup(work: Path, quick: bool, scarce: bool = False) -> dict:
     """The starting model (the reverser, pretrained once) and the prompts: a training pool, validation and test."""
     from datasets import Dataset
 
-    setting = dict(SETTING, **(QUICK if quick else {}))
+    setting = dict(SETTING, **(SCARCE if scarce else {}), **(QUICK if quick else {}))
     pool = setting["budget"] // setting["num_samples"]  # a run's prompts: each sampled num_samples times
     numbers = random.Random(0).sample(range(10**4), PRETRAIN_ROWS + setting["val"] + setting["test"] + pool)
-    model = work / "start"
+    model = work / ("start-scarce" if scarce else "start")
     if not (model / "config.json").exists():
-        pretrain_reverser(str(model), numbers[:PRETRAIN_ROWS])
+        pretrain_reverser(str(model), numbers[:PRETRAIN_ROWS], setting.get("pretrain_steps", 130))
     rows = reversal_rows(numbers[PRETRAIN_ROWS:])
     val, test = rows[: setting["val"]], rows[setting["val"] : setting["val"] + setting["test"]]
     train = rows[setting["val"] + setting["test"] :]
@@ -347,10 +350,11 @@ def plan(setting: dict, ledger: Ledger) -> str:
     lag and seed at the best rate) and their estimated hours."""
     finished = [e["seconds"] for e in ledger.runs.values()]
     each = statistics.fmean(finished) if finished else setting["run_seconds"]
-    swept = [arm for arm in ARMS if arm not in RATE_OF]
+    arms = [arm for arm in ARMS if arm in setting.get("arms", ARMS)]
+    swept = [arm for arm in arms if arm not in RATE_OF]
     bracket_runs = 3 * len(setting["sweep_seeds"]) * len(swept)
     check_runs = 2 * len(setting["sweep_seeds"]) * len(swept) if "ladder" in setting else 0  # at the largest lag
-    sources = {Runs.source(arm, lag) for arm in ARMS for lag in setting["lags"]}
+    sources = {Runs.source(arm, lag) for arm in arms for lag in setting["lags"]}
     lag_runs = len(sources) * setting["seeds"]
     total = bracket_runs + check_runs + lag_runs
     hours = max(total - len(ledger.runs), 0) * each / 3600
@@ -452,6 +456,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes")
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), help="the arms to train (default: all)")
+    parser.add_argument(
+        "--start",
+        choices=["middling", "scarce"],
+        default="middling",
+        help="the starting model: sampled pass@1 about 0.1-0.4 (default), or scarce positives, about 0.02-0.08 "
+        "(`SCARCE`: its arms and lags, results in benchmarks/results/staleness-scarce)",
+    )
     parser.add_argument("--work", help="unfinished runs (default: outputs/staleness[-quick])")
     parser.add_argument("--out", help="results (default: benchmarks/results/staleness-v2)")
     parser.add_argument("--time_limit", type=float, help="minutes: stop after the run that crosses it")
@@ -463,30 +474,32 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> str:
     args = parse_args(argv)
     args.argv = argv  # what each run records of the call that trained it
-    suffix = "-quick" if args.quick else ""
+    scarce = args.start == "scarce"
+    suffix = ("-scarce" if scarce else "") + ("-quick" if args.quick else "")
     work = Path(args.work or ROOT / "outputs" / f"staleness{suffix}")
-    out = Path(
-        args.out or ROOT / ("outputs/staleness-results-quick" if args.quick else "benchmarks/results/staleness-v2")
-    )
+    default = "benchmarks/results/staleness-scarce" if scarce else "benchmarks/results/staleness-v2"
+    out = Path(args.out or ROOT / (f"outputs/staleness{suffix}-results" if args.quick else default))
     started = time.time()
     ledger = Ledger(out)
-    setting = dict(SETTING, **(QUICK if args.quick else {}))
+    setting = dict(SETTING, **(SCARCE if scarce else {}), **(QUICK if args.quick else {}))
+    arms = [arm for arm in ARMS if arm in setting.get("arms", ARMS)]
     if args.plan:
         text = plan(setting, ledger)
         print(text)
         return text
     work.mkdir(parents=True, exist_ok=True)
-    setting = setup(work, args.quick)
-    runs = Runs(setting, ledger, work, args.arms or list(ARMS), args)
+    setting = setup(work, args.quick, scarce)
+    runs = Runs(setting, ledger, work, [arm for arm in args.arms or arms if arm in arms], args)
     results = runs.results()
     results["title"] = (
-        f"{setting['description']}: {setting['prompts']} fresh prompts x {setting['num_samples']} samples a step, "
+        f"{setting['description']}{', positives scarce at the start' if scarce else ''}: {setting['prompts']} "
+        f"fresh prompts x {setting['num_samples']} samples a step, "
         f"{setting['budget']} completions sampled a run, evaluated every {setting['every']}"
     )
     results["settings"] = {k: v for k, v in setting.items() if isinstance(v, (int, float, str, list)) and k != "train"}
     complete = all(len(a["runs"]) == setting["seeds"] for a in results["arms"].values()) and len(
         results["arms"]
-    ) == len(ARMS) * len(setting["lags"])
+    ) == len(arms) * len(setting["lags"])
     table, read = curve_table(results, setting), readings(results, setting)
     learned = learning(results, setting)
     files = {

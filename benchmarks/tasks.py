@@ -37,12 +37,12 @@ def reversal_reward(prompts, completions, answer, **kwargs) -> list[float]:
     return [1.0 if reversal_answer(c) == a else -1.0 for c, a in zip(completions, answer)]
 
 
-def pretrain_reverser(folder: str, numbers: list[int]) -> str:
+def pretrain_reverser(folder: str, numbers: list[int], steps: int = 130) -> str:
     """A tiny Llama that reverses 4 digits at a middling accuracy: the fast scale's behavior policy. The task is learnt
-    abruptly: on held-out strings, 120 SFT steps give 36% greedy / 4% sampled accuracy, 130 steps 66% / 15%, 160 steps
-    100% / 74%. Built in a folder of its own and moved to `folder` once trained, so that an interrupted build, or two
-    calls building it at once, never leave an untrained model there; where `folder` exists, it is kept (the build is
-    seeded: the same model)."""
+    abruptly: on held-out strings, 120 SFT steps give 36% greedy / 4% sampled accuracy (a start where positives are
+    scarce), 130 steps (the default) 66% / 15%, 160 steps 100% / 74%. Built in a folder of its own and moved to
+    `folder` once trained, so that an interrupted build, or two calls building it at once, never leave an untrained
+    model there; where `folder` exists, it is kept (the build is seeded: the same model)."""
     from datasets import Dataset
     from transformers import PrinterCallback
     from trl import SFTConfig, SFTTrainer
@@ -59,7 +59,7 @@ def pretrain_reverser(folder: str, numbers: list[int]) -> str:
         bf16=False,
         report_to="none",
         seed=0,
-        max_steps=130,
+        max_steps=steps,
         per_device_train_batch_size=32,
         learning_rate=3e-3,
         save_strategy="no",

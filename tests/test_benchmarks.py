@@ -661,6 +661,17 @@ def test_staleness_benchmark_gives_every_arm_the_same_budget_and_counts_what_it_
     )
 
 
+def test_staleness_scarce_start_plans_its_own_arms_and_lags(tmp_path):
+    # `--start scarce`: TOPR, REINFORCE with the target and positives-only at lags 0 and 8, from a reverser trained
+    # fewer steps, into a ledger of its own
+    staleness = load("staleness")
+    text = staleness.main(["--start", "scarce", "--plan", "--out", str(tmp_path)])
+    scarce = staleness.SCARCE
+    sweep, arms = len(staleness.SETTING["sweep_seeds"]), len(scarce["arms"])
+    runs = 3 * sweep * arms + 2 * sweep * arms + arms * len(scarce["lags"]) * staleness.SETTING["seeds"]
+    assert text.startswith(f"At least {runs} runs") and scarce["pretrain_steps"] < 130
+
+
 def test_the_seed_level_interval_is_students_t():
     paired = load("paired")
     assert round(paired.t_quantile(0.975, 4), 3) == 2.776 and round(paired.t_quantile(0.975, 30), 3) == 2.042
@@ -671,6 +682,19 @@ def test_the_seed_level_interval_is_students_t():
     difference = paired.Difference(0.02, 0.01, 0.03, [0.05, -0.01])  # the bootstrap excludes 0, the seeds do not
     assert difference.bootstrap_reading == "above" and difference.reading == "tied"
     assert difference.text() == "+0.020 [+0.010, +0.030] (seeds [-0.361, +0.401])"
+    # a difference of two rates lies in [-1, +1], and so does its seed-level interval, however few the seeds
+    wide = paired.Difference(0.7, 0.5, 0.9, [0.9, 1.0, 0.2])
+    assert paired.seed_interval([0.9, 1.0, 0.2])[1] > 1 and wide.seed_interval()[1] == 1.0
+    assert wide.text().endswith("(seeds [-0.383, +1.000])")
+
+
+def test_per_prompt_scores_divide_by_the_samples_each_round_drew():
+    # a round that drew 16 test samples a prompt (`--last_test_samples`) beside rounds of k = 4
+    paired = load("paired")
+    run = [{"test/correct": [4, 0]}, {"test/correct": [8, 16], "test/samples": 16}]
+    assert paired.prompt_scores(run, [0], 4) == [1.0, 0.0]
+    assert paired.prompt_scores(run, [1], 4) == [0.5, 1.0]
+    assert paired.prompt_scores(run, [0, 1], 4) == [0.75, 0.5]
 
 
 def test_iterative_seeds_option_plans_more_seeds_beside_the_committed_results(tmp_path, capsys):
