@@ -87,29 +87,47 @@ def seed_interval(values: list[float]) -> tuple[float, float]:
     return mean - half, mean + half
 
 
-def prompt_scores(run: list[dict], rounds: list[int], k: int) -> list[float]:
-    """Each test prompt's sampled pass@1 (its correct samples over the round's samples a prompt: `test/samples` where
-    the round records it, else `k`), averaged over `rounds` of a run (one round: that round's)."""
+def pass_at(samples: int, correct: int, at: int) -> float:
+    """
+    The unbiased estimate of pass@`at` from `samples` samples of a prompt, `correct` of them right: the chance that
+    `at` of them drawn without replacement hold a right one, 1 - C(samples - correct, at) / C(samples, at) (Chen et
+    al., 2021). At 1, the share right.
+    """
+    if at > samples:
+        raise ValueError(f"pass@{at} needs at least {at} samples a prompt; the round drew {samples}")
+    if at == 1:
+        return correct / samples
+    return 1.0 - math.comb(samples - correct, at) / math.comb(samples, at)
+
+
+def prompt_scores(run: list[dict], rounds: list[int], k: int, at: int = 1) -> list[float]:
+    """Each test prompt's sampled pass@`at` (`pass_at`, from the round's samples a prompt: `test/samples` where the
+    round records it, else `k`), averaged over `rounds` of a run (one round: that round's)."""
     missing = [r for r in rounds if run[r].get("test/correct") is None]
     if missing:
         raise ValueError(f"rounds {missing} of the run have no per-prompt test outcomes (`test/correct`)")
-    per_round = [[c / run[r].get("test/samples", k) for c in run[r]["test/correct"]] for r in rounds]
+    per_round = [[pass_at(run[r].get("test/samples", k), c, at) for c in run[r]["test/correct"]] for r in rounds]
     return [sum(scores) / len(rounds) for scores in zip(*per_round, strict=True)]
 
 
 def paired_difference(
-    first: list[list[dict]], second: list[list[dict]], rounds: list[int], k: int, draws: int = BOOTSTRAP_DRAWS
+    first: list[list[dict]],
+    second: list[list[dict]],
+    rounds: list[int],
+    k: int,
+    draws: int = BOOTSTRAP_DRAWS,
+    at: int = 1,
 ) -> Difference:
     """
-    The difference of two arms' test sampled pass@1, averaged over `rounds` (the area over the tested rounds, or one
-    round), paired by seed (the i-th run of each arm) and by test prompt, with a 95% bootstrap interval: each draw
-    takes as many seeds and as many prompts as there are, with replacement, and averages the paired differences over
-    them. The draws are seeded: the same runs give the same interval.
+    The difference of two arms' test sampled pass@1 (pass@`at`), averaged over `rounds` (the area over the tested
+    rounds, or one round), paired by seed (the i-th run of each arm) and by test prompt, with a 95% bootstrap
+    interval: each draw takes as many seeds and as many prompts as there are, with replacement, and averages the
+    paired differences over them. The draws are seeded: the same runs give the same interval.
     """
     if len(first) != len(second) or not first:
         raise ValueError(f"paired runs needed: {len(first)} and {len(second)} seeds")
     table = [
-        [a - b for a, b in zip(prompt_scores(x, rounds, k), prompt_scores(y, rounds, k), strict=True)]
+        [a - b for a, b in zip(prompt_scores(x, rounds, k, at), prompt_scores(y, rounds, k, at), strict=True)]
         for x, y in zip(first, second, strict=True)
     ]
     return bootstrap(table, draws)

@@ -695,6 +695,11 @@ def test_per_prompt_scores_divide_by_the_samples_each_round_drew():
     assert paired.prompt_scores(run, [0], 4) == [1.0, 0.0]
     assert paired.prompt_scores(run, [1], 4) == [0.5, 1.0]
     assert paired.prompt_scores(run, [0, 1], 4) == [0.75, 0.5]
+    # pass@k, unbiased: 4 right of 16, pass@4 = 1 - C(12, 4) / C(16, 4); every sample right or none, 1 or 0
+    assert paired.pass_at(16, 4, 4) == pytest.approx(1 - 495 / 1820) and paired.pass_at(4, 1, 4) == 1.0
+    assert paired.prompt_scores(run, [1], 4, at=16) == [1.0, 1.0] and paired.pass_at(16, 0, 16) == 0.0
+    with pytest.raises(ValueError, match="pass@16 needs at least 16 samples a prompt; the round drew 4"):
+        paired.prompt_scores(run, [0], 4, at=16)
 
 
 def test_iterative_seeds_option_plans_more_seeds_beside_the_committed_results(tmp_path, capsys):
