@@ -644,6 +644,28 @@ def iterative_paired(folder: str, pairs: list[tuple]) -> str:
     return "\n".join(lines)
 
 
+def iterative_pass_at(folder: str, pairs: list[tuple[str, str]], ats: tuple[int, ...] = (1, 4, 16)) -> str:
+    """After the last round, each pair's paired difference of test pass@k (`paired.pass_at`, the unbiased estimate
+    from the samples each run's last round drew) for each k of `ats`, over the seeds whose last round of both arms drew
+    at least k samples a prompt, with both intervals and the reading under both; "-" where fewer than two seeds did."""
+    settings = load(folder)["settings"]
+    last = tested_rounds(folder)[-1]
+    lines = ["| first | second | k | seeds | difference after the last round | reading |", "|---|---|---|---|---|---|"]
+    for first, second in pairs:
+        for at in ats:
+            runs = [
+                (a, b)
+                for a, b in zip(arm_runs(folder, first), arm_runs(folder, second), strict=False)
+                if min(run[last].get("test/samples", settings["k"]) for run in (a, b)) >= at
+            ]
+            if len(runs) < 2:
+                lines.append(f"| {first} | {second} | {at} | {len(runs)} | - | - |")
+                continue
+            d = paired_stats.paired_difference(*map(list, zip(*runs)), [last], settings["k"], at=at)
+            lines.append(f"| {first} | {second} | {at} | {len(runs)} | {d.text()} | {d.reading} |")
+    return "\n".join(lines)
+
+
 def iterative_difference(folder: str, first: str, second: str, which: str = "area", *lrs) -> str:
     """One paired difference, with its interval: "+0.020 [+0.010, +0.031]"."""
     return paired(folder, first, second, which, tuple(lrs) or (None, None)).text()
@@ -1145,6 +1167,12 @@ V2_PAIRS = [
     ("topr_peff0.8+replay", "grpo"),
     ("grpo", "positives_only"),
 ]
+# what TOPR's negatives may add beyond pass@1: pass@k of the arms whose seeds 3-7 run with 16 test samples a prompt
+V2_PASS_PAIRS = [
+    ("topr_peff0.8+replay", "positives_only+replay"),
+    ("topr_peff0.8+replay", "positives_only"),
+    ("positives_only+replay", "positives_only"),
+]
 # the ones the prose quotes, by name
 V2_DIFFERENCES = {
     "peff_replay": (V2_PAIRS[0], ("area", "last")),
@@ -1324,6 +1352,7 @@ QUOTES: dict[str, tuple] = {
     # at its arm's rate, on every seed)
     "iterative-real-v2.curves": (iterative_complete_curves, "iterative-real-v2"),
     "iterative-real-v2.paired": (iterative_complete_pairs, "iterative-real-v2", V2_PAIRS),
+    "iterative-real-v2.pass_at": (iterative_pass_at, "iterative-real-v2", V2_PASS_PAIRS),
     "iterative-real-v2.importance": (
         iterative_complete_importance,
         "iterative-real-v2",
