@@ -299,8 +299,9 @@ def delete_old_weights(folder: Path, rounds: int) -> None:
 
 def evaluate_test(setting: dict, folder: Path, seed: int, work: Path, use_vllm: bool) -> None:
     """Where the scale evaluates the test split at a few rounds only (`test_rounds`): evaluate the run's models of
-    those rounds not yet in its `test.jsonl`, one line each. Round 0 (the starting model, the same in every run of a
-    seed) is evaluated once per seed, in --work."""
+    those rounds not yet in its `test.jsonl`, one line each, with the number of samples each prompt had (`samples`:
+    `k`, or `last_test_samples` at the last round, for pass@k with k up to it). Round 0 (the starting model, the same
+    in every run of a seed) is evaluated once per seed, in --work."""
     from transformers import AutoTokenizer
 
     from trl_topr import TOPRConfig
@@ -314,9 +315,13 @@ def evaluate_test(setting: dict, folder: Path, seed: int, work: Path, use_vllm: 
         return
     start = work / f"start-test-seed{seed}.json"
     tokenizer = AutoTokenizer.from_pretrained(setting["model"])
-    engine, eval_sampling = None, SamplingSettings(num_samples=setting["k"], **sampling(setting, seed))
+    sampling_options = sampling(setting, seed)
+    engine, eval_sampling = None, SamplingSettings(num_samples=setting["k"], **sampling_options)
     try:
         for r in todo:
+            sampling = eval_sampling
+            if r == setting["rounds"] and setting.get("last_test_samples"):
+                sampling = SamplingSettings(num_samples=setting["last_test_samples"], **sampling_options)
             if r == 0 and start.exists():
                 metrics = json.loads(start.read_text())
             else:
@@ -331,7 +336,7 @@ def evaluate_test(setting: dict, folder: Path, seed: int, work: Path, use_vllm: 
                     setting["test"],
                     setting["reward"],
                     setting["answer"],
-                    eval_sampling,
+                    sampling,
                     engine=engine,
                     progress=False,
                     return_per_prompt=True,
@@ -341,7 +346,7 @@ def evaluate_test(setting: dict, folder: Path, seed: int, work: Path, use_vllm: 
                 if r == 0:
                     start.write_text(json.dumps(metrics))
             with open(path, "a") as f:
-                f.write(json.dumps({"round": r, **metrics}) + "\n")
+                f.write(json.dumps({"round": r, **metrics, "samples": sampling.num_samples}) + "\n")
     finally:
         if engine is not None:
             engine.close()
@@ -561,6 +566,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="results (default: benchmarks/results/iterative-<scale>, "
         "outputs/iterative-<scale>-results-quick with --quick)",
     )
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        help="seeds at each arm's best rate, in place of the scale's (with --out, beside its committed results)",
+    )
+    parser.add_argument(
+        "--last_test_samples",
+        type=int,
+        help="samples per test prompt at the last round, in place of the scale's k (for pass@k up to it); only where "
+        "the scale evaluates the test split at `test_rounds`",
+    )
     parser.add_argument("--time_limit", type=float, help="minutes: stop after the run that crosses it")
     parser.add_argument("--report_only", action="store_true", help="write the finished runs' results, train nothing")
     parser.add_argument(
@@ -597,14 +613,19 @@ def main(argv=None) -> str:
     )
     started = time.time()
     ledger = Ledger(out)
-    setting = dict(SCALES[args.scale], **(QUICK if args.quick else {}))
+    overrides = {"seeds": args.seeds} if args.seeds else {}
+    if args.last_test_samples:
+        overrides["last_test_samples"] = args.last_test_samples
+    setting = dict(SCALES[args.scale], **(QUICK if args.quick else {}), **overrides)
+    if args.last_test_samples and setting["test_rounds"] is None:
+        raise ValueError("--last_test_samples applies where the scale evaluates the test split at `test_rounds`")
     methods = [m for m in ARMS if m in (args.methods or setting["methods"])]
     if args.plan:
         text = plan(setting, methods, ledger)
         print(text)
         return text
     work.mkdir(parents=True, exist_ok=True)
-    setting = setup(args.scale, work, args.quick)
+    setting = dict(setup(args.scale, work, args.quick), **overrides)
     runs = Runs(setting, ledger, work, methods, args)
     results = runs.results()
     unfinished = [m for m in methods if len(results["methods"].get(m, {"runs": []})["runs"]) < setting["seeds"]]
