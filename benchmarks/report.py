@@ -1071,6 +1071,35 @@ def swept_rates(folder: str) -> str:
     return "; ".join(parts)
 
 
+def staleness_rate_checks(folder: str) -> str:
+    """Each swept arm's rates at lag 0 (the mean validation sampled pass@1 over the sweep's seeds and checkpoints, the
+    best in bold) and its best with its two neighbours scored again at the largest lag on the same seeds: whether the
+    best moves."""
+    results = load(folder)
+    lag = max(results["settings"]["lags"])
+    lines = [f"| arm | at lag 0 | at lag {lag} | best moves |", "|---|---|---|---|"]
+
+    def cells(scores: dict, best: float) -> str:
+        ordered = sorted(scores.items(), key=lambda item: float(item[0]))
+        return ", ".join(f"**{r} {v:.3f}**" if float(r) == best else f"{r} {v:.3f}" for r, v in ordered)
+
+    for arm, swept in results["rates"].items():
+        stale, best = swept.get(f"scores_at_lag_{lag}"), swept.get(f"best_at_lag_{lag}")
+        moved = "-" if best is None else ("no" if best == swept["best"] else f"to {best:g}")
+        later = "-" if stale is None else cells(stale, best)
+        lines.append(f"| {arm} | {cells(swept['scores'], swept['best'])} | {later} | {moved} |")
+    return "\n".join(lines)
+
+
+def ledger_progress(folder: str) -> str:
+    """The runs finished so far in a results folder's ledger, by its keys (an arm and its lag): "topr-lag0 10, ..."."""
+    runs = ledger(folder).runs
+    counts = {}
+    for method, _, _ in runs:
+        counts[method] = counts.get(method, 0) + 1
+    return ", ".join(f"{method} {count}" for method, count in sorted(counts.items())) or "none"
+
+
 def gpu_recipe_table() -> str:
     """Before and after the recipe's GPU round, from its log's 'Round N done' lines."""
     found = re.findall(r"Round (\d+) done: (.*)", load("gpu-h100", "recipe.log"))
@@ -1520,6 +1549,8 @@ QUOTES: dict[str, tuple] = {
     "iterative-fast-8.progress": (iterative_progress, "iterative-fast-8"),
     "iterative-real-v2.resumed": (resumed_runs, "iterative-real-v2"),
     "staleness.rates": (swept_rates, "staleness"),
+    "staleness-v2.progress": (ledger_progress, "staleness-v2"),
+    "staleness-v2.rates": (staleness_rate_checks, "staleness-v2"),
     "staleness.machine": (machine, "staleness"),
     "staleness.commit": (trained_at, "staleness"),
     "staleness.table": (table, "staleness"),

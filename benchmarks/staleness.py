@@ -496,7 +496,9 @@ def main(argv=None) -> str:
         f"fresh prompts x {setting['num_samples']} samples a step, "
         f"{setting['budget']} completions sampled a run, evaluated every {setting['every']}"
     )
-    results["settings"] = {k: v for k, v in setting.items() if isinstance(v, (int, float, str, list)) and k != "train"}
+    results["settings"] = {
+        k: v for k, v in setting.items() if isinstance(v, (int, float, str, list)) and k not in ("train", "model")
+    }  # the starting model's folder is this machine's
     complete = all(len(a["runs"]) == setting["seeds"] for a in results["arms"].values()) and len(
         results["arms"]
     ) == len(arms) * len(setting["lags"])

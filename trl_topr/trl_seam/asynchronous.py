@@ -9,6 +9,7 @@ import torch
 # TRL 1.16 keeps its asynchronous trainer in `trl.experimental.async_grpo` (the only TRL pyproject.toml allows)
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker, RolloutSample  # noqa: F401
+
 # the name TRL registers its tree attention under
 from trl.experimental.async_grpo.packing import TREE_ATTENTION  # noqa: F401
 
