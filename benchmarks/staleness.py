@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 from ledger import Ledger
 from paired import paired_difference
 from provenance import code_version, save, script_command
-from search import LADDER, best_rate, beyond, bracket
+from search import best_rate, beyond, bracket
 from tasks import PRETRAIN_ROWS, pretrain_reverser, reversal_answer, reversal_reward, reversal_rows
 
 
@@ -301,14 +301,12 @@ class Runs:
         """An arm's rates: bracketed at lag 0 on the sweep seeds (steps of the scale's `ladder`) until its best is
         interior, then the best and the rates either side of it scored at the largest lag on the same seeds (does the
         best move?)."""
-        ladder = tuple(self.setting.get("ladder", LADDER))
+        ladder = tuple(self.setting["ladder"])
         scores = bracket(self.setting["start_lr"], lambda lr: self.score(arm, lr), ladder=ladder)
         if scores is None:
             return None
         best = best_rate(scores)
         rates = {"best": best, "scores": {f"{k:g}": v for k, v in scores.items()}}
-        if "ladder" not in self.setting:  # the first protocol: chosen at lag 0 alone
-            return rates
         lag = max(self.setting["lags"])
         near = [beyond(best, up=False, ladder=ladder), best, beyond(best, up=True, ladder=ladder)]
         stale = {rate: self.score(arm, rate, lag) for rate in near}
@@ -353,7 +351,7 @@ def plan(setting: dict, ledger: Ledger) -> str:
     arms = [arm for arm in ARMS if arm in setting.get("arms", ARMS)]
     swept = [arm for arm in arms if arm not in RATE_OF]
     bracket_runs = 3 * len(setting["sweep_seeds"]) * len(swept)
-    check_runs = 2 * len(setting["sweep_seeds"]) * len(swept) if "ladder" in setting else 0  # at the largest lag
+    check_runs = 2 * len(setting["sweep_seeds"]) * len(swept)  # the best's neighbours at the largest lag
     sources = {Runs.source(arm, lag) for arm in arms for lag in setting["lags"]}
     lag_runs = len(sources) * setting["seeds"]
     total = bracket_runs + check_runs + lag_runs
