@@ -1218,8 +1218,16 @@ FAST = "iterative-fast-8"  # the fast scale read on 8 seeds (its first 3 are ite
 BEFORE = "iterative-easy-before-replay"  # the real scale as first run: on-policy rounds, the earlier protocol
 ON_POLICY_ARMS = [m for m in ARMS if not ARMS[m].replay]  # the iterative benchmark's arms
 REPLAY_ARMS = [m for m in ARMS if ARMS[m].replay]
-# the staleness benchmark's readings.md: its tables of TOPR against each arm, and of each arm's learning
-AGAINST, LEARNED = ("staleness", "readings.md", 0), ("staleness", "readings.md", 1)
+
+
+def staleness_tables(folder: str) -> tuple[tuple, tuple]:
+    """Where a staleness result's readings.md holds its table of TOPR against each arm and that of each arm's
+    learning, as `cell`'s first arguments."""
+    return (folder, "readings.md", 0), (folder, "readings.md", 1)
+
+
+AGAINST, LEARNED = staleness_tables("staleness-v2")
+SCARCE_AGAINST, SCARCE_LEARNED = staleness_tables("staleness-scarce")
 # name in the docs -> (function, *arguments): the docs quote function(*arguments), mostly (helper, folder, ...)
 QUOTES: dict[str, tuple] = {
     # the embedded default (README's first command)
@@ -1548,24 +1556,37 @@ QUOTES: dict[str, tuple] = {
     "iterative-fast-8.machine": (machine, "iterative-fast-8"),
     "iterative-fast-8.progress": (iterative_progress, "iterative-fast-8"),
     "iterative-real-v2.resumed": (resumed_runs, "iterative-real-v2"),
-    "staleness.rates": (swept_rates, "staleness"),
-    "staleness-v2.progress": (ledger_progress, "staleness-v2"),
+    "staleness-v2.machine": (machine, "staleness-v2"),
+    "staleness-v2.commit": (trained_at, "staleness-v2"),
     "staleness-v2.rates": (staleness_rate_checks, "staleness-v2"),
-    "staleness.machine": (machine, "staleness"),
-    "staleness.commit": (trained_at, "staleness"),
-    "staleness.table": (table, "staleness"),
-    "staleness.learning": (table, *LEARNED),
-    "staleness.readings": (table, *AGAINST),
-    "staleness.topr_gain_0": (cell, *LEARNED, {"arm": "topr", "lag": "0"}, "last minus start"),
-    "staleness.topr_gain_32": (cell, *LEARNED, {"arm": "topr", "lag": "32"}, "last minus start"),
-    "staleness.topr_cost_32": (cell, *LEARNED, {"arm": "topr", "lag": "32"}, "area minus lag 0's"),
-    "staleness.trl_dropped_8": (cell, "staleness", "table.md", 0, {"arm": "trl", "lag": "8"}, "dropped"),
-    "staleness.trl_gain_8": (cell, *LEARNED, {"arm": "trl", "lag": "8"}, "last minus start"),
-    "staleness.keep_gain_8": (cell, *LEARNED, {"arm": "trl+keep", "lag": "8"}, "last minus start"),
-    "staleness.keep_cost_32": (cell, *LEARNED, {"arm": "trl+keep", "lag": "32"}, "area minus lag 0's"),
-    "staleness.vs_trl_32": (cell, *AGAINST, {"lag": "32", "TOPR minus": "trl"}, "area"),
-    "staleness.vs_trl_0": (cell, *AGAINST, {"lag": "0", "TOPR minus": "trl"}, "area"),
-    "staleness.vs_positives_2": (cell, *AGAINST, {"lag": "2", "TOPR minus": "positives_only"}, "area"),
+    "staleness-v2.table": (table, "staleness-v2"),
+    "staleness-v2.learning": (table, *LEARNED),
+    "staleness-v2.readings": (table, *AGAINST),
+    "staleness-v2.topr_cost_32": (cell, *LEARNED, {"arm": "topr", "lag": "32"}, "area minus lag 0's"),
+    "staleness-v2.trl_cost_2": (cell, *LEARNED, {"arm": "trl", "lag": "2"}, "area minus lag 0's"),
+    "staleness-v2.keep_cost_32": (cell, *LEARNED, {"arm": "trl+keep", "lag": "32"}, "area minus lag 0's"),
+    **{
+        f"staleness-v2.vs_{other}_{lag}{'_last' if which == 'last' else ''}": (
+            cell,
+            *AGAINST,
+            {"lag": lag, "TOPR minus": other},
+            which,
+        )
+        for other, lag, which in [
+            ("reinforce", "2", "area"),
+            ("reinforce", "8", "area"),
+            ("reinforce", "32", "area"),
+            ("reinforce", "32", "last"),
+            ("tis", "8", "area"),
+            ("tis", "32", "area"),
+            ("positives_only", "2", "area"),
+            ("positives_only", "8", "area"),
+            ("positives_only", "32", "last"),
+            ("trl", "0", "area"),
+            ("trl", "2", "area"),
+            ("trl", "32", "area"),
+        ]
+    },
     "gpu-h200-tests.commit": (commit, "gpu-h200-tests", 0),
     "gpu-h200-tests.tests": (log_match, "gpu-h200-tests", "tests.log", r"\d+ passed(, \d+ skipped)?"),
     "gpu-h200-padding-free.commit": (commit, "gpu-h200-padding-free", 0),
