@@ -319,9 +319,9 @@ def evaluate_test(setting: dict, folder: Path, seed: int, work: Path, use_vllm: 
     engine, eval_sampling = None, SamplingSettings(num_samples=setting["k"], **sampling_options)
     try:
         for r in todo:
-            sampling = eval_sampling
+            round_sampling = eval_sampling
             if r == setting["rounds"] and setting.get("last_test_samples"):
-                sampling = SamplingSettings(num_samples=setting["last_test_samples"], **sampling_options)
+                round_sampling = SamplingSettings(num_samples=setting["last_test_samples"], **sampling_options)
             if r == 0 and start.exists():
                 metrics = json.loads(start.read_text())
             else:
@@ -336,7 +336,7 @@ def evaluate_test(setting: dict, folder: Path, seed: int, work: Path, use_vllm: 
                     setting["test"],
                     setting["reward"],
                     setting["answer"],
-                    sampling,
+                    round_sampling,
                     engine=engine,
                     progress=False,
                     return_per_prompt=True,
@@ -346,7 +346,7 @@ def evaluate_test(setting: dict, folder: Path, seed: int, work: Path, use_vllm: 
                 if r == 0:
                     start.write_text(json.dumps(metrics))
             with open(path, "a") as f:
-                f.write(json.dumps({"round": r, **metrics, "samples": sampling.num_samples}) + "\n")
+                f.write(json.dumps({"round": r, **metrics, "samples": round_sampling.num_samples}) + "\n")
     finally:
         if engine is not None:
             engine.close()
