@@ -1226,6 +1226,20 @@ def staleness_tables(folder: str) -> tuple[tuple, tuple]:
     return (folder, "readings.md", 0), (folder, "readings.md", 1)
 
 
+def staleness_differences(name: str, against: tuple, picks: list[tuple[str, str, str]]) -> dict[str, tuple]:
+    """Quotes of single cells of a staleness result's table of TOPR against each arm: for each `(other, lag, which)`
+    ("area" or "last"), `<name>.vs_<other>_<lag>` (with `_last` for the last checkpoint)."""
+    return {
+        f"{name}.vs_{other}_{lag}{'_last' if which == 'last' else ''}": (
+            cell,
+            *against,
+            {"lag": lag, "TOPR minus": other},
+            which,
+        )
+        for other, lag, which in picks
+    }
+
+
 AGAINST, LEARNED = staleness_tables("staleness-v2")
 SCARCE_AGAINST, SCARCE_LEARNED = staleness_tables("staleness-scarce")
 # name in the docs -> (function, *arguments): the docs quote function(*arguments), mostly (helper, folder, ...)
@@ -1565,14 +1579,10 @@ QUOTES: dict[str, tuple] = {
     "staleness-v2.topr_cost_32": (cell, *LEARNED, {"arm": "topr", "lag": "32"}, "area minus lag 0's"),
     "staleness-v2.trl_cost_2": (cell, *LEARNED, {"arm": "trl", "lag": "2"}, "area minus lag 0's"),
     "staleness-v2.keep_cost_32": (cell, *LEARNED, {"arm": "trl+keep", "lag": "32"}, "area minus lag 0's"),
-    **{
-        f"staleness-v2.vs_{other}_{lag}{'_last' if which == 'last' else ''}": (
-            cell,
-            *AGAINST,
-            {"lag": lag, "TOPR minus": other},
-            which,
-        )
-        for other, lag, which in [
+    **staleness_differences(
+        "staleness-v2",
+        AGAINST,
+        [
             ("reinforce", "2", "area"),
             ("reinforce", "8", "area"),
             ("reinforce", "32", "area"),
@@ -1585,8 +1595,26 @@ QUOTES: dict[str, tuple] = {
             ("trl", "0", "area"),
             ("trl", "2", "area"),
             ("trl", "32", "area"),
-        ]
-    },
+        ],
+    ),
+    "staleness-scarce.machine": (machine, "staleness-scarce"),
+    "staleness-scarce.commit": (trained_at, "staleness-scarce"),
+    "staleness-scarce.rates": (staleness_rate_checks, "staleness-scarce"),
+    "staleness-scarce.table": (table, "staleness-scarce"),
+    "staleness-scarce.learning": (table, *SCARCE_LEARNED),
+    "staleness-scarce.readings": (table, *SCARCE_AGAINST),
+    "staleness-scarce.start": (cell, "staleness-scarce", "table.md", 0, {"arm": "topr", "lag": "0"}, "0"),
+    **staleness_differences(
+        "staleness-scarce",
+        SCARCE_AGAINST,
+        [
+            ("reinforce", "0", "area"),
+            ("reinforce", "0", "last"),
+            ("reinforce", "8", "area"),
+            ("positives_only", "0", "area"),
+            ("positives_only", "8", "area"),
+        ],
+    ),
     "gpu-h200-tests.commit": (commit, "gpu-h200-tests", 0),
     "gpu-h200-tests.tests": (log_match, "gpu-h200-tests", "tests.log", r"\d+ passed(, \d+ skipped)?"),
     "gpu-h200-padding-free.commit": (commit, "gpu-h200-padding-free", 0),

@@ -717,6 +717,52 @@ def test_staleness_positives_only_is_above_topr_once_stale(staleness_readings):
     assert all(rates[arm]["scores"][step_up] < 0.05 for arm in ("topr", "reinforce", "tis"))
 
 
+def test_staleness_scarce_protocol_and_start(scarce_readings):
+    # docs/async.md (Positives scarce): TOPR, REINFORCE with the target and positives-only at lags 0 and 8, 8 seeds,
+    # from a start where test sampled pass@1 is between 0.02 and 0.08, each rate bracketed at lag 0 (interior) and
+    # checked at lag 8, every run with its command
+    results = scarce_readings["results"]
+    setting = results["settings"]
+    assert (
+        setting["lags"] == [0, 8]
+        and setting["seeds"] == 8
+        and setting["arms"] == ["topr", "reinforce", "positives_only"]
+    )
+    assert set(results["arms"]) == {f"{arm}@{lag}" for arm in setting["arms"] for lag in setting["lags"]}
+    assert all(len(arm["runs"]) == setting["seeds"] for arm in results["arms"].values())
+    for name, swept in results["rates"].items():
+        rates = sorted(float(rate) for rate in swept["scores"])
+        assert rates[0] < swept["best"] < rates[-1], name
+        assert swept["best"] in [float(rate) for rate in swept["scores_at_lag_8"]], name
+    for run in report.ledger("staleness-scarce").runs.values():
+        assert run["command"].startswith("python benchmarks/staleness.py --start scarce"), run["command"]
+    start = statistics.fmean(run[0]["test/pass@1"] for arm in results["arms"].values() for run in arm["runs"])
+    assert 0.02 <= start <= 0.08
+
+
+def test_staleness_scarce_positives_only_above_topr_and_the_taper(scarce_readings):
+    against, learned = scarce_readings["against"], scarce_readings["learned"]
+    rates = scarce_readings["results"]["rates"]
+    for lag in ("0", "8"):
+        assert against[lag, "positives_only"]["area reading"] == "below"
+        assert all(learned[arm, lag]["learned"] == "above" for arm in ("topr", "reinforce", "positives_only"))
+    assert against["0", "reinforce"]["area reading"] == "above"
+    assert against["0", "reinforce"]["last reading"] == "tied"
+    assert against["8", "reinforce"]["area reading"] == "tied"
+    assert "[+" in against["8", "reinforce"]["area"].split("(seeds")[0]  # the bootstrap excludes 0, the seeds do not
+    assert (against["8", "reinforce"]["collapsed, TOPR"], against["8", "reinforce"]["collapsed, the other"]) == (
+        "1 of 8",
+        "3 of 8",
+    )
+    # at positives-only's best rate TOPR scored below its own best and REINFORCE collapsed; both run a step lower
+    step_up = f"{rates['positives_only']['best']:g}"
+    assert rates["topr"]["scores"][step_up] < rates["topr"]["scores"][f"{rates['topr']['best']:g}"]
+    assert rates["reinforce"]["scores"][step_up] < 0.05
+    assert rates["topr"]["best"] == rates["reinforce"]["best"] < rates["positives_only"]["best"]
+    assert rates["topr"]["best_at_lag_8"] > rates["topr"]["best"]
+    assert rates["topr"]["best_at_lag_8"] == max(float(rate) for rate in rates["topr"]["scores_at_lag_8"])
+
+
 def test_memory_growth_of_each_process_in_the_two_process_runs_stays_within_5_percent():
     # docs/benchmarks.md (memory): the table reads the per-round maximum across processes; each process's own growth
     # after round 2, larger than that in places, stays within 5% in the 2-process runs
