@@ -1566,6 +1566,8 @@ QUOTES: dict[str, tuple] = {
         "positives_only+replay",
         "grpo",
     ),
+    "iterative-real-v2-8.commit": (trained_at, "iterative-real-v2-8"),
+    "iterative-real-v2-8.progress": (iterative_progress, "iterative-real-v2-8"),
     "iterative-fast-8.commit": (trained_at, "iterative-fast-8"),
     "iterative-fast-8.machine": (machine, "iterative-fast-8"),
     "iterative-fast-8.progress": (iterative_progress, "iterative-fast-8"),

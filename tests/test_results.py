@@ -796,6 +796,22 @@ def test_the_eight_seeds_start_from_the_same_model_as_the_three():
     assert max(key[2] for key in eight) == 7  # seeds 0-7
 
 
+def test_the_real_scale_v2_seeds_3_to_7_start_from_the_model_of_seeds_0_to_2():
+    # docs/benchmarks-iterative-real.md (pass@k): seeds 3-7 of three arms ran later, from iterative-real-v2's code with
+    # the flags they need; their ledger holds seeds 0-2 of those arms as iterative-real-v2 recorded them, every run
+    # answers each test prompt greedily alike at round 0 (the same starting model), and the new runs drew 16 test
+    # samples a prompt at the last round
+    three, eight = report.ledger("iterative-real-v2").runs, report.ledger("iterative-real-v2-8").runs
+    copied = {key for key in three if key[0] in {arm for pair in report.V2_PASS_PAIRS for arm in pair}}
+    assert copied <= set(eight) and len(eight) > len(copied)
+    assert all(eight[key] == three[key] for key in copied)
+    answers = {json.dumps(run["rounds"][0]["test/greedy_correct"]) for run in eight.values()}
+    assert len(answers) == 1
+    new = [run for key, run in eight.items() if key not in copied]
+    assert all(run["rounds"][-1]["test/samples"] == 16 for run in new)
+    assert {key[2] for key in eight} - {key[2] for key in copied} <= set(range(3, 8))
+
+
 def test_every_recorded_round_trained_with_its_arms_baseline():
     # The arms spell their baseline (benchmarks/arms.py): a run of a baseline-0 arm must not have trained with a target
     # fraction (the loop's default when nothing is set), nor a target arm with another target. Rounds recorded before
