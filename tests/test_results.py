@@ -711,6 +711,9 @@ def test_staleness_positives_only_is_above_topr_once_stale(staleness_readings):
     for lag in ("8", "32"):
         assert against[lag, "positives_only"]["area reading"] == "below"
         assert against[lag, "positives_only"]["last reading"] == "below"
+    # README: none of the seeds of the readings it quotes collapsed (lag 8, against REINFORCE and positives-only)
+    for other in ("reinforce", "positives_only"):
+        assert against["8", other]["collapsed, TOPR"] == against["8", other]["collapsed, the other"] == "0 of 8"
     # positives-only runs a step above TOPR, where TOPR, REINFORCE and TIS collapsed at lag 0
     assert rates["positives_only"]["best"] == 2 * rates["topr"]["best"]
     step_up = f"{rates['positives_only']['best']:g}"
@@ -746,6 +749,9 @@ def test_staleness_scarce_positives_only_above_topr_and_the_taper(scarce_reading
     for lag in ("0", "8"):
         assert against[lag, "positives_only"]["area reading"] == "below"
         assert all(learned[arm, lag]["learned"] == "above" for arm in ("topr", "reinforce", "positives_only"))
+    # README quotes lag 0 against positives-only: no seed of either collapsed
+    assert against["0", "positives_only"]["collapsed, TOPR"] == against["0", "positives_only"]["collapsed, the other"]
+    assert against["0", "positives_only"]["collapsed, TOPR"] == "0 of 8"
     assert against["0", "reinforce"]["area reading"] == "above"
     assert against["0", "reinforce"]["last reading"] == "tied"
     assert against["8", "reinforce"]["area reading"] == "tied"
