@@ -1058,19 +1058,6 @@ def cell(folder: str, name: str, index: int, where: dict[str, str], header: str)
     return row[header]
 
 
-def swept_rates(folder: str) -> str:
-    """Each swept arm's learning rates and their score (the mean validation sampled pass@1 over the sweep's seeds and
-    checkpoints), its best in bold: "topr: 3e-05 0.212, 0.0001 0.437, **0.0003 0.686**, 0.001 0.000; ..."."""
-    parts = []
-    for arm, swept in load(folder)["rates"].items():
-        cells = [
-            f"**{rate} {score:.3f}**" if float(rate) == swept["best"] else f"{rate} {score:.3f}"
-            for rate, score in sorted(swept["scores"].items(), key=lambda item: float(item[0]))
-        ]
-        parts.append(f"`{arm}`: " + ", ".join(cells))
-    return "; ".join(parts)
-
-
 def staleness_rate_checks(folder: str) -> str:
     """Each swept arm's rates at lag 0 (the mean validation sampled pass@1 over the sweep's seeds and checkpoints, the
     best in bold) and its best with its two neighbours scored again at the largest lag on the same seeds: whether the
@@ -1089,15 +1076,6 @@ def staleness_rate_checks(folder: str) -> str:
         later = "-" if stale is None else cells(stale, best)
         lines.append(f"| {arm} | {cells(swept['scores'], swept['best'])} | {later} | {moved} |")
     return "\n".join(lines)
-
-
-def ledger_progress(folder: str) -> str:
-    """The runs finished so far in a results folder's ledger, by its keys (an arm and its lag): "topr-lag0 10, ..."."""
-    runs = ledger(folder).runs
-    counts = {}
-    for method, _, _ in runs:
-        counts[method] = counts.get(method, 0) + 1
-    return ", ".join(f"{method} {count}" for method, count in sorted(counts.items())) or "none"
 
 
 def gpu_recipe_table() -> str:
