@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from provenance import save
+from provenance import dumps, save
 from tasks import PRETRAIN_ROWS, pretrain_reverser, reversal_answer, reversal_reward, reversal_rows
 
 
@@ -416,7 +416,7 @@ def main(argv=None) -> str:
             for seed in range(setting["seeds"]):
                 results["methods"][method].append(run_method(method, setting, data, probe, seed, work))
                 out.mkdir(parents=True, exist_ok=True)
-                (out / "results.json").write_text(json.dumps(results, indent=1))  # partial, rewritten at the end
+                (out / "results.json").write_text(dumps(results))  # partial, rewritten at the end
                 print(
                     f"{method} seed {seed}: greedy "
                     + " ".join(f"{e['pass@1_greedy']:.3f}" for e in results["methods"][method][-1])

@@ -319,6 +319,16 @@ def test_the_gpu_kit_and_the_tree_travel_together_within_64_mib():
     assert kit.tree_mib() + packed + kit.MARGIN_MIB <= kit.TRAVEL_MIB
 
 
+def test_results_are_written_with_lists_of_plain_values_on_one_line():
+    # Results files hold thousands of per-prompt counts: one a line, they took half of what travels to a GPU machine.
+    dumps = load("provenance").dumps
+    value = {"runs": [[{"test/correct": [0, 2, 1], "name": "a, b", "empty": {}}]], "lr": 1e-06, "tags": []}
+    text = dumps(value)
+    assert json.loads(text) == value
+    assert '"test/correct": [0, 2, 1]' in text.splitlines()[4]
+    assert len(text.splitlines()) == 13
+
+
 def test_the_stress_check_runs_the_multiprocess_tests_with_every_core_busy_and_records_a_hang(tmp_path):
     stress = load("stress")
     totals = stress.main(["--quick", "--out", str(tmp_path / "quick")])
