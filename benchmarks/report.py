@@ -1546,6 +1546,7 @@ QUOTES: dict[str, tuple] = {
     ),
     "iterative-real-v2-8.commit": (trained_at, "iterative-real-v2-8"),
     "iterative-real-v2-8.progress": (iterative_progress, "iterative-real-v2-8"),
+    "iterative-real-v2-8.pass_at": (iterative_pass_at, "iterative-real-v2-8", V2_PASS_PAIRS),
     "iterative-fast-8.commit": (trained_at, "iterative-fast-8"),
     "iterative-fast-8.machine": (machine, "iterative-fast-8"),
     "iterative-fast-8.progress": (iterative_progress, "iterative-fast-8"),
