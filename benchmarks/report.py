@@ -592,10 +592,10 @@ def iterative_start(folder: str, key: str, method: str = "topr") -> str:
 
 
 def arm_runs(folder: str, method: str, lr: float | None = None) -> list[list[dict]]:
-    """An arm's runs, seed by seed: at its chosen rate (`results.json`), or at `lr` from the ledger (every seed run
-    there, in seed order)."""
-    if lr is None:
-        return load(folder)["methods"][method]["runs"]
+    """An arm's runs from the ledger, every seed run there in seed order: at `lr`, or at the arm's chosen rate
+    (`results.json`). Not `results.json`'s runs: a call writes them from the ledger as it read it when it started, so
+    where two calls of a benchmark ran at once it lacks the runs the other call finished meanwhile."""
+    lr = load(folder)["methods"][method]["lr"] if lr is None else lr
     finished = ledger(folder)
     return [e["rounds"] for seed in range(load(folder)["settings"]["seeds"]) if (e := finished.get(method, lr, seed))]
 

@@ -818,6 +818,23 @@ def test_the_real_scale_v2_seeds_3_to_7_start_from_the_model_of_seeds_0_to_2():
     assert {key[2] for key in eight} - {key[2] for key in copied} <= set(range(3, 8))
 
 
+def test_the_v2_pass_at_k_pairs_read_every_seed_the_ledger_holds():
+    # Two calls of iterative.py filled iterative-real-v2-8 at once, and each wrote results.json from the ledger as it
+    # read it when it started: the report reads the arms' runs from the ledger, so a pair counts every finished seed.
+    folder = "iterative-real-v2-8"
+    lines = report.iterative_pass_at(folder, report.V2_PASS_PAIRS, ats=(1,)).splitlines()[2:]
+    for (first, second), line in zip(report.V2_PASS_PAIRS, lines, strict=True):
+        seeds = [
+            {
+                key[2]
+                for key in report.ledger(folder).runs
+                if key[:2] == (arm, f"{report.load(folder)['methods'][arm]['lr']:g}")
+            }
+            for arm in (first, second)
+        ]
+        assert int(line.split("|")[4]) == len(seeds[0] & seeds[1]) == min(map(len, seeds)), (first, second)
+
+
 def test_every_recorded_round_trained_with_its_arms_baseline():
     # The arms spell their baseline (benchmarks/arms.py): a run of a baseline-0 arm must not have trained with a target
     # fraction (the loop's default when nothing is set), nor a target arm with another target. Rounds recorded before
