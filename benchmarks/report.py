@@ -595,9 +595,23 @@ def arm_runs(folder: str, method: str, lr: float | None = None) -> list[list[dic
     """An arm's runs from the ledger, every seed run there in seed order: at `lr`, or at the arm's chosen rate
     (`results.json`). Not `results.json`'s runs: a call writes them from the ledger as it read it when it started, so
     where two calls of a benchmark ran at once it lacks the runs the other call finished meanwhile."""
+    return list(seed_runs(folder, method, lr).values())
+
+
+def seed_runs(folder: str, method: str, lr: float | None = None) -> dict[int, list[dict]]:
+    """`arm_runs` by seed: {seed: rounds} for every seed the ledger holds, in seed order."""
     lr = load(folder)["methods"][method]["lr"] if lr is None else lr
     finished = ledger(folder)
-    return [e["rounds"] for seed in range(load(folder)["settings"]["seeds"]) if (e := finished.get(method, lr, seed))]
+    seeds = range(load(folder)["settings"]["seeds"])
+    return {seed: e["rounds"] for seed in seeds if (e := finished.get(method, lr, seed))}
+
+
+def paired_runs(folder: str, first: str, second: str, lrs: tuple = (None, None)) -> tuple[list, list]:
+    """Two arms' runs on the seeds both have run (`seed_runs`), the i-th of each from the same seed: the pairs
+    `paired.paired_difference` takes, whichever seeds either arm is missing."""
+    a, b = seed_runs(folder, first, lrs[0]), seed_runs(folder, second, lrs[1])
+    shared = [seed for seed in a if seed in b]
+    return [a[seed] for seed in shared], [b[seed] for seed in shared]
 
 
 def tested_rounds(folder: str) -> list[int]:
@@ -616,7 +630,7 @@ def paired(folder: str, first: str, second: str, which: str = "area", lrs: tuple
     key = (folder, first, second, which, lrs)
     if key not in PAIRED:
         rounds = tested_rounds(folder) if which == "area" else tested_rounds(folder)[-1:]
-        a, b = arm_runs(folder, first, lrs[0]), arm_runs(folder, second, lrs[1])
+        a, b = paired_runs(folder, first, second, lrs)
         PAIRED[key] = paired_stats.paired_difference(a, b, rounds, load(folder)["settings"]["k"])
     return PAIRED[key]
 
@@ -655,7 +669,7 @@ def iterative_pass_at(folder: str, pairs: list[tuple[str, str]], ats: tuple[int,
         for at in ats:
             runs = [
                 (a, b)
-                for a, b in zip(arm_runs(folder, first), arm_runs(folder, second), strict=False)
+                for a, b in zip(*paired_runs(folder, first, second), strict=True)
                 if min(run[last].get("test/samples", settings["k"]) for run in (a, b)) >= at
             ]
             if len(runs) < 2:
@@ -729,7 +743,7 @@ def class_paired(folder: str, first: str, second: str, inside: bool) -> tuple[pa
         return [[{"test/correct": [run[-1]["test/correct"][i] for i in keep]}] for run in runs]
 
     k = load(folder)["settings"]["k"]
-    a, b = subset(arm_runs(folder, first)), subset(arm_runs(folder, second))
+    a, b = map(subset, paired_runs(folder, first, second))
     return paired_stats.paired_difference(a, b, [0], k), len(keep)
 
 
@@ -882,7 +896,7 @@ def iterative_complete_importance(folder: str, methods: list[str], rounds: list[
 def iterative_seed_differences(folder: str, first: str, second: str) -> str:
     """Two arms' difference seed by seed (first minus second), their test sampled pass@1 averaged over the tested
     rounds from 1 on: for results that kept no per-prompt outcomes, where no interval over the prompts exists."""
-    pairs = zip(arm_runs(folder, first), arm_runs(folder, second), strict=True)
+    pairs = zip(*paired_runs(folder, first, second), strict=True)
     return " / ".join(f"{area(a) - area(b):+.3f}" for a, b in pairs)
 
 

@@ -329,6 +329,29 @@ def test_results_are_written_with_lists_of_plain_values_on_one_line():
     assert len(text.splitlines()) == 13
 
 
+def test_two_arms_are_paired_seed_by_seed_whichever_seeds_either_lacks(tmp_path, monkeypatch):
+    # Arms that ran different seeds (one resumed elsewhere, one stopped) are paired on the seeds both ran, never by
+    # position: here each seed scores its own number, so seed-by-seed pairs differ by 0 everywhere.
+    report = load("report")
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    monkeypatch.setattr(report, "PAIRED", {})
+    folder = tmp_path / "gaps"
+    settings, methods = {"seeds": 4, "k": 4, "rounds": 1}, {"a": {"lr": 1e-5}, "b": {"lr": 1e-5}}
+    (folder / "runs").mkdir(parents=True)
+    (folder / "results.json").write_text(json.dumps({"settings": settings, "methods": methods}))
+    for method, seeds in (("a", [0, 1, 2]), ("b", [0, 2, 3])):
+        lines = [
+            json.dumps({"method": method, "lr": 1e-5, "seed": s, "rounds": [{"test/correct": [s, s, 1]}] * 2})
+            for s in seeds
+        ]
+        (folder / "runs" / f"{method}.jsonl").write_text("\n".join(lines) + "\n")
+    assert [len(runs) for runs in report.paired_runs("gaps", "a", "b")] == [2, 2]
+    difference = report.paired("gaps", "a", "b", "last")
+    assert difference.estimate == 0 and difference.by_seed == [0, 0]
+    (row,) = report.iterative_pass_at("gaps", [("a", "b")], ats=(4,)).splitlines()[2:]
+    assert row.split("|")[4].strip() == "2" and "+0.000" in row
+
+
 def test_the_stress_check_runs_the_multiprocess_tests_with_every_core_busy_and_records_a_hang(tmp_path):
     stress = load("stress")
     totals = stress.main(["--quick", "--out", str(tmp_path / "quick")])
