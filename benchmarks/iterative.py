@@ -14,7 +14,7 @@ Every finished run (method, learning rate, seed) is recorded in `runs/<method>.j
 results, and never trained again: run the command again, here or on another machine, to go on where it stopped
 (`--time_limit` stops cleanly after that many minutes; an unfinished run resumes from its last round under --work).
 Calls with different `--methods` can run side by side (each writes the results of the runs it has seen; run
-`--report_only` once they are done to write those of all).
+`--report_only` once they are done to write those of all); calls of the same arms split its seeds with `--skip_seeds`.
 
 Learning rates are chosen per sampled completion: a run's criterion is the mean of its validation sampled pass@1 over
 rounds 1..R (the area under its learning curve, every round sampling as many completions), averaged over the first
@@ -520,7 +520,7 @@ class Runs:
         """Finished, or to train now (an arm of this call, time left, not `--report_only`)."""
         if self.ledger.get(method, lr, seed) is not None:
             return True
-        if self.args.report_only or method not in self.methods:
+        if self.args.report_only or method not in self.methods or seed in self.args.skip_seeds:
             return False
         limit = self.args.time_limit
         return limit is None or not self.trained or time.perf_counter() - self.started <= 60 * limit
@@ -604,6 +604,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "the scale evaluates the test split at `test_rounds`",
     )
     parser.add_argument("--time_limit", type=float, help="minutes: stop after the run that crosses it")
+    parser.add_argument(
+        "--skip_seeds",
+        type=int,
+        nargs="+",
+        default=[],
+        help="seeds this call leaves untrained (another call of the same arms trains them at the same time)",
+    )
     parser.add_argument("--report_only", action="store_true", help="write the finished runs' results, train nothing")
     parser.add_argument(
         "--plan",

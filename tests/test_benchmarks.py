@@ -746,6 +746,23 @@ def test_iterative_seeds_option_plans_more_seeds_beside_the_committed_results(tm
     assert f"then seeds up to {seeds - 1} at the best" in iterative.main(["--out", str(tmp_path), "--plan"])
 
 
+def test_iterative_skip_seeds_leaves_those_seeds_to_another_call_of_the_same_arm(tmp_path):
+    # two calls of one arm train its missing seeds in order, so both would pick the first: `--skip_seeds` leaves some
+    # to the other call; a seed the ledger has stays available (read, not trained)
+    iterative = load("iterative")
+    ledger = load("ledger").Ledger(tmp_path)
+    ledger.add({"method": "positives_only", "lr": 1e-5, "seed": 0})
+    argv = ["--scale", "fast", "--methods", "positives_only", "--time_limit", "1"]
+
+    def available(*extra):
+        args = iterative.parse_args([*argv, *extra])
+        runs = iterative.Runs({}, ledger, tmp_path / "work", args.methods, args)
+        return [runs.available("positives_only", 1e-5, seed) for seed in range(4)]
+
+    assert available() == [True, True, True, True]
+    assert available("--skip_seeds", "0", "1", "2") == [True, False, False, True]
+
+
 def test_iterative_last_test_round_samples_as_many_as_asked_for_pass_at_k(tmp_path):
     # `--last_test_samples`: where the test split is evaluated at `test_rounds`, the last round draws that many samples
     # a prompt (its per-prompt counts read pass@k up to it) and the earlier rounds the scale's k; each line says which
