@@ -621,6 +621,7 @@ def tested_rounds(folder: str) -> list[int]:
 
 
 PAIRED: dict[tuple, paired_stats.Difference] = {}  # the bootstraps computed so far (the docs quote each several times)
+PASS_AT: dict[tuple, tuple] = {}  # the same for `pass_at_difference`
 
 
 def paired(folder: str, first: str, second: str, which: str = "area", lrs: tuple = (None, None)):
@@ -658,26 +659,43 @@ def iterative_paired(folder: str, pairs: list[tuple]) -> str:
     return "\n".join(lines)
 
 
+def pass_at_difference(folder: str, first: str, second: str, at: int):
+    """After the last round, the paired difference of two arms' test pass@`at` (`paired.pass_at`, the unbiased
+    estimate from the samples each run's last round drew), over the seeds whose last round of both arms drew at least
+    `at` samples a prompt; `None` where fewer than two seeds did. Returns the difference (or `None`) and that count."""
+    key = (folder, first, second, at)
+    if key not in PASS_AT:
+        settings, last = load(folder)["settings"], tested_rounds(folder)[-1]
+        runs = [
+            (a, b)
+            for a, b in zip(*paired_runs(folder, first, second), strict=True)
+            if min(run[last].get("test/samples", settings["k"]) for run in (a, b)) >= at
+        ]
+        d = None
+        if len(runs) >= 2:
+            d = paired_stats.paired_difference(*map(list, zip(*runs)), [last], settings["k"], at=at)
+        PASS_AT[key] = (d, len(runs))
+    return PASS_AT[key]
+
+
 def iterative_pass_at(folder: str, pairs: list[tuple[str, str]], ats: tuple[int, ...] = (1, 4, 16)) -> str:
-    """After the last round, each pair's paired difference of test pass@k (`paired.pass_at`, the unbiased estimate
-    from the samples each run's last round drew) for each k of `ats`, over the seeds whose last round of both arms drew
-    at least k samples a prompt, with both intervals and the reading under both; "-" where fewer than two seeds did."""
-    settings = load(folder)["settings"]
-    last = tested_rounds(folder)[-1]
+    """Each pair's `pass_at_difference` for each k of `ats`, with both intervals and the reading under both; "-" where
+    fewer than two seeds drew k samples a prompt."""
     lines = ["| first | second | k | seeds | difference after the last round | reading |", "|---|---|---|---|---|---|"]
     for first, second in pairs:
         for at in ats:
-            runs = [
-                (a, b)
-                for a, b in zip(*paired_runs(folder, first, second), strict=True)
-                if min(run[last].get("test/samples", settings["k"]) for run in (a, b)) >= at
-            ]
-            if len(runs) < 2:
-                lines.append(f"| {first} | {second} | {at} | {len(runs)} | - | - |")
-                continue
-            d = paired_stats.paired_difference(*map(list, zip(*runs)), [last], settings["k"], at=at)
-            lines.append(f"| {first} | {second} | {at} | {len(runs)} | {d.text()} | {d.reading} |")
+            d, seeds = pass_at_difference(folder, first, second, at)
+            cells = "- | -" if d is None else f"{d.text()} | {d.reading}"
+            lines.append(f"| {first} | {second} | {at} | {seeds} | {cells} |")
     return "\n".join(lines)
+
+
+def iterative_pass_difference(folder: str, first: str, second: str, at: int) -> str:
+    """One `pass_at_difference` with its intervals and its seeds: "+0.020 [+0.010, +0.031] (seeds [...]), 8 seeds"."""
+    d, seeds = pass_at_difference(folder, first, second, at)
+    if d is None:
+        raise ValueError(f"{folder}: fewer than two seeds of {first} and {second} drew {at} test samples a prompt")
+    return f"{d.text()}, {seeds} seeds"
 
 
 def iterative_difference(folder: str, first: str, second: str, which: str = "area", *lrs) -> str:
@@ -1194,6 +1212,8 @@ V2_PASS_PAIRS = [
     ("topr_peff0.8+replay", "positives_only"),
     ("positives_only+replay", "positives_only"),
 ]
+# the pairs whose pass@k the prose quotes, by name (each pair once both arms hold every seed)
+V2_PASS_QUOTED = {"peff_replay_rft": V2_PASS_PAIRS[1]}
 # the ones the prose quotes, by name
 V2_DIFFERENCES = {
     "peff_replay": (V2_PAIRS[0], ("area", "last")),
@@ -1561,6 +1581,11 @@ QUOTES: dict[str, tuple] = {
     "iterative-real-v2-8.commit": (trained_at, "iterative-real-v2-8"),
     "iterative-real-v2-8.progress": (iterative_progress, "iterative-real-v2-8"),
     "iterative-real-v2-8.pass_at": (iterative_pass_at, "iterative-real-v2-8", V2_PASS_PAIRS),
+    **{
+        f"iterative-real-v2-8.pass_at.{name}.{at}": (iterative_pass_difference, "iterative-real-v2-8", *pair, at)
+        for name, pair in V2_PASS_QUOTED.items()
+        for at in (1, 4, 16)
+    },
     "iterative-fast-8.commit": (trained_at, "iterative-fast-8"),
     "iterative-fast-8.machine": (machine, "iterative-fast-8"),
     "iterative-fast-8.progress": (iterative_progress, "iterative-fast-8"),

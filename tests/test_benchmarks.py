@@ -335,6 +335,7 @@ def test_two_arms_are_paired_seed_by_seed_whichever_seeds_either_lacks(tmp_path,
     report = load("report")
     monkeypatch.setattr(report, "RESULTS", tmp_path)
     monkeypatch.setattr(report, "PAIRED", {})
+    monkeypatch.setattr(report, "PASS_AT", {})
     folder = tmp_path / "gaps"
     settings, methods = {"seeds": 4, "k": 4, "rounds": 1}, {"a": {"lr": 1e-5}, "b": {"lr": 1e-5}}
     (folder / "runs").mkdir(parents=True)

@@ -835,6 +835,22 @@ def test_the_v2_pass_at_k_pairs_read_every_seed_the_ledger_holds():
         assert int(line.split("|")[4]) == len(seeds[0] & seeds[1]) == min(map(len, seeds)), (first, second)
 
 
+def test_the_complete_v2_pass_at_k_pair_reads_as_the_docs_say():
+    # docs/benchmarks-iterative-real.md (pass@k): TOPR 0.8 + replay against positives-only over every seed of both
+    # (pass@16 over the seeds 3-7 that drew 16 samples): tied at pass@1; at pass@4 and pass@16 ahead by the seed level
+    # alone, so tied; the 3 seeds' pass@4 lead was larger
+    folder, pair = "iterative-real-v2-8", ("topr_peff0.8+replay", "positives_only")
+    arms = [{key[2] for key in report.ledger(folder).runs if key[0] == arm} for arm in pair]
+    assert arms[0] == arms[1] == set(range(8))
+    (one, eight), (four, _), (sixteen, five) = (report.pass_at_difference(folder, *pair, at) for at in (1, 4, 16))
+    assert (eight, five) == (8, 5)
+    assert one.reading == "tied" and one.low < 0 < one.high
+    for d in (four, sixteen):
+        assert d.reading == "tied" and d.bootstrap_reading == "tied" and d.seed_interval()[0] > 0
+    three, _ = report.pass_at_difference("iterative-real-v2", *pair, 4)
+    assert three.estimate > four.estimate
+
+
 def test_every_recorded_round_trained_with_its_arms_baseline():
     # The arms spell their baseline (benchmarks/arms.py): a run of a baseline-0 arm must not have trained with a target
     # fraction (the loop's default when nothing is set), nor a target arm with another target. Rounds recorded before
