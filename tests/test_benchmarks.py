@@ -780,3 +780,28 @@ def test_iterative_last_test_round_samples_as_many_as_asked_for_pass_at_k(tmp_pa
         assert line["pass@1"] == pytest.approx(sum(line["correct"]) / (prompts * line["samples"]))
     with pytest.raises(ValueError, match="--last_test_samples: the fast scale evaluates the test split every round"):
         iterative.main(["--scale", "fast", "--last_test_samples", "16", "--out", str(tmp_path / "out"), "--plan"])
+
+
+def _append_records(folder: str, writer: int, count: int) -> None:
+    provenance = load("provenance")
+    for i in range(count):
+        provenance.record(folder, {"command": f"writer {writer} call {i}"}, append=True)
+
+
+def test_calls_that_end_together_each_keep_their_record(tmp_path):
+    # Two calls of one benchmark that split its seeds (`iterative.py --skip_seeds`) can end within the same second, and
+    # each appends its entry to the folder's provenance.json: none may be lost, and the file stays one JSON document.
+    import multiprocessing
+
+    writers, count = 6, 25
+    context = multiprocessing.get_context("spawn")
+    processes = [context.Process(target=_append_records, args=(str(tmp_path), w, count)) for w in range(writers)]
+    for p in processes:
+        p.start()
+    for p in processes:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    runs = json.loads((tmp_path / "provenance.json").read_text())["runs"]
+    assert sorted(run["command"] for run in runs) == sorted(
+        f"writer {w} call {i}" for w in range(writers) for i in range(count)
+    )
