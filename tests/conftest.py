@@ -8,6 +8,7 @@ import sys
 import tempfile
 import time
 import weakref
+from functools import cache
 
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -55,6 +56,33 @@ LAUNCH_TIMEOUT = (
 )
 
 
+def pytest_configure(config):
+    """
+    Give the run a torch extensions folder of its own (`TORCH_EXTENSIONS_DIR`, inherited by every launch). DeepSpeed
+    builds its CPU communication op (`deepspeed_shm_comm`) with torch's JIT extension loader when a process group
+    starts, under a lock file that makes every other build wait for as long as it exists: a build stopped midway (a
+    launch past its timeout, an interrupted run) leaves it behind, and every DeepSpeed launch after it, in that run or
+    any later one sharing the folder, waits forever. Only the pytest process configures: the workers that import
+    this module inherit the folder.
+    """
+    folder = tempfile.mkdtemp(prefix="torch-extensions-")
+    os.environ["TORCH_EXTENSIONS_DIR"] = folder
+    config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+
+
+@cache
+def build_deepspeed_ops() -> None:
+    """
+    Build DeepSpeed's CPU communication op once per run, in a process of its own that no timeout stops, before the
+    first DeepSpeed launch: a launch then loads it, and a launch stopped past its timeout cannot leave a build's lock.
+    """
+    code = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"  # what each process calls on its start
+    environment = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    result = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.fail(f"DeepSpeed's CPU communication op did not build:\n{result.stderr[-3000:]}", pytrace=False)
+
+
 def free_port() -> int:
     """A free TCP port on this machine."""
     with socket.socket() as s:
@@ -71,6 +99,8 @@ class Launch:
     """
 
     def __init__(self, script, *arguments, config_file=None, num_processes: int = 2, env=None, cwd=None):
+        if config_file is not None and "deepspeed_config" in Path(config_file).read_text():
+            build_deepspeed_ops()
         self.logs = Path(tempfile.mkdtemp(prefix="launch-"))
         command = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port())]
         if config_file is not None:

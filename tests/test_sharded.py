@@ -10,11 +10,12 @@ on first use (about 95 s, then cached).
 """
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_tiny_model, launch, make_args
+from conftest import build_deepspeed_ops, build_tiny_model, launch, make_args
 from datasets import Dataset
 from safetensors.torch import load_file
 
@@ -192,3 +193,13 @@ def test_lora_trains_and_loops(engine, models, single_process, tmp_path):
     check_common(result, single_process, tmp_path)
     assert (tmp_path / "out" / "model" / "adapter_model.safetensors").exists()
     assert (tmp_path / "out" / "loop" / "round-1" / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_deepspeed_builds_its_op_in_a_folder_of_this_run_and_leaves_no_lock():
+    # A build of DeepSpeed's CPU op stopped midway left its lock in the shared torch extensions folder, and every
+    # ZeRO launch after it waited on the lock until its timeout: the run builds in a folder of its own, once, first.
+    folder = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    assert folder.name.startswith("torch-extensions-") and folder.is_dir()
+    build_deepspeed_ops()
+    assert list(folder.rglob("deepspeed_shm_comm*.so"))
+    assert not list(folder.rglob("lock"))
