@@ -1213,7 +1213,11 @@ V2_PASS_PAIRS = [
     ("positives_only+replay", "positives_only"),
 ]
 # the pairs whose pass@k the prose quotes, by name (each pair once both arms hold every seed)
-V2_PASS_QUOTED = {"peff_replay_rft": V2_PASS_PAIRS[1]}
+V2_PASS_QUOTED = {
+    "peff_replay_rft_replay": V2_PASS_PAIRS[0],
+    "peff_replay_rft": V2_PASS_PAIRS[1],
+    "rft_replay": V2_PASS_PAIRS[2],
+}
 # the ones the prose quotes, by name
 V2_DIFFERENCES = {
     "peff_replay": (V2_PAIRS[0], ("area", "last")),

@@ -851,6 +851,24 @@ def test_the_complete_v2_pass_at_k_pair_reads_as_the_docs_say():
     assert three.estimate > four.estimate
 
 
+def test_the_other_v2_pass_at_k_pairs_read_as_the_docs_say():
+    # docs/benchmarks-iterative-real.md (pass@k), every seed of both arms in: TOPR 0.8 + replay against positives-only
+    # + replay, and positives-only + replay against positives-only, are tied at pass@1, pass@4 and pass@16 on both
+    # counts (no interval excludes 0), and the first pair's pass@4 lead over its first 3 seeds has shrunk
+    folder = "iterative-real-v2-8"
+    pairs = [("topr_peff0.8+replay", "positives_only+replay"), ("positives_only+replay", "positives_only")]
+    for pair in pairs:
+        arms = [{key[2] for key in report.ledger(folder).runs if key[0] == arm} for arm in pair]
+        assert arms[0] == arms[1] == set(range(8))
+        for at, seeds in ((1, 8), (4, 8), (16, 5)):
+            d, n = report.pass_at_difference(folder, *pair, at)
+            assert n == seeds and d.reading == d.bootstrap_reading == "tied"
+            assert d.low < 0 < d.high and d.seed_interval()[0] < 0 < d.seed_interval()[1], (pair, at)
+    eight, _ = report.pass_at_difference(folder, *pairs[0], 4)
+    three, _ = report.pass_at_difference("iterative-real-v2", *pairs[0], 4)
+    assert 0 < eight.estimate < three.estimate
+
+
 def test_every_recorded_round_trained_with_its_arms_baseline():
     # The arms spell their baseline (benchmarks/arms.py): a run of a baseline-0 arm must not have trained with a target
     # fraction (the loop's default when nothing is set), nor a target arm with another target. Rounds recorded before
