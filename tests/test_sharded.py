@@ -6,7 +6,7 @@ of evaluation prompts.
 Only what a 2-process CPU run needs is changed in the shipped configurations: 2 processes, no mixed precision, the
 CPU, and for ZeRO-3 `stage3_param_persistence_threshold: 0` (else a tiny model keeps every parameter gathered and
 partitioning bugs hide). DeepSpeed runs on CPU with `DS_ACCELERATOR=cpu`; its shared-memory communication op compiles
-on first use (about 95 s, then cached).
+once per test run, into the run's own torch extensions folder, before the first DeepSpeed launch (conftest).
 """
 
 import json
