@@ -104,6 +104,9 @@ def trainer_for(smollm2, server, output_dir, prompts: int = 16, callbacks=(), **
         "per_device_train_batch_size": 4,
         "num_generations": 4,
         "max_completion_length": 16,
+        # TRL packs a step's samples into rows of `token_budget` tokens, by default the server's max_model_len (1024):
+        # dozens of this task's 64-token samples a step, 90 s a step here. 256 packs two prompts' groups a row.
+        "token_budget": 256,
         "gradient_checkpointing": False,
         "save_strategy": "no",
         "logging_steps": 1,
