@@ -233,7 +233,8 @@ def train_args(output_dir) -> TOPRConfig:
 
 
 def loop_args(**kwargs) -> TOPRLoopConfig:
-    """Two rounds of 4 samples a prompt, evaluated with 2, sampled and evaluated with vLLM."""
+    """Two rounds of 4 samples a prompt, evaluated with 2, sampled and evaluated with vLLM. The one-process loops
+    sample 4 prompts a round (a round's training is most of their minutes here), the 2-process ones 8."""
     options = dict(num_rounds=2, num_generations=4, max_completion_length=24, sampling_batch_size=8)
     return vllm_for(**{**options, "num_generations_eval": 2, **kwargs})
 
@@ -256,7 +257,7 @@ def test_loop_with_colocated_vllm_samples_each_round_from_the_last_rounds_weight
     try:
         run_topr_loop(
             path,
-            arithmetic(8),
+            arithmetic(4),
             gsm8k_reward,
             loop_args(replay_rounds=1),
             train_args(output_dir),
@@ -328,7 +329,7 @@ def test_loop_through_a_vllm_server_samples_round_two_from_round_one(smollm2, se
     output_dir = tmp_path / "loop"
     server_args = loop_args(vllm_mode="server", vllm_server_host="127.0.0.1", vllm_server_port=server)
     run_topr_loop(
-        path, arithmetic(8), gsm8k_reward, server_args, train_args(output_dir), eval_prompts=arithmetic(2), **LOOP
+        path, arithmetic(4), gsm8k_reward, server_args, train_args(output_dir), eval_prompts=arithmetic(2), **LOOP
     )
     check_round_two_sampled_from_round_one(output_dir, path, tokenizer)
 
