@@ -11,9 +11,9 @@ import sys
 
 import pytest
 import torch
-from conftest import make_args
+from conftest import make_args, standard_dataset
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 import trl_topr.precision as precision
 from trl_topr import TOPRConfig, evaluate_policy, sample_completions
@@ -161,3 +161,49 @@ def test_sampling_and_evaluation_follow_the_rule(native, tiny_model_path, tmp_pa
         )
         generation = seen[: len(seen) - 1]  # the last forward is the behavior precompute, in the training precision
         assert set(generation) == {args.bf16} and seen[-1] is args.bf16
+
+
+class RecordsFlushing(TrainerCallback):
+    """Whether the training thread flushed denormal floats to zero, at the end of every step."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.seen.append(precision.flushing_denormals())
+
+
+def test_training_on_a_cpu_flushes_denormals_and_leaves_them_as_they_were_after(tiny_model_path, tmp_path):
+    # Negatives the policy has moved far away from (mu = 1, pi tiny: weights near 0) fill the backward pass with
+    # denormal floats, many times slower on a CPU; every TOPR trainer trains with them flushed to zero
+    from test_online import digit_reward, grpo_args, prompts
+
+    from trl_topr import TOPRAsyncGRPOTrainer, TOPRGRPOTrainer, TOPRTrainer
+
+    assert not precision.flushing_denormals()
+    stale = standard_dataset(8, behavior_logps=[0.0] * 8)
+    record = RecordsFlushing()
+    trainer = TOPRTrainer(tiny_model_path, args=make_args(tmp_path / "topr"), train_dataset=stale, callbacks=[record])
+    trainer.train()
+    assert record.seen == [True, True] and math.isfinite(trainer.state.log_history[-1]["train_loss"])
+    assert not precision.flushing_denormals()
+    online = RecordsFlushing()
+    args = grpo_args(tmp_path / "grpo", max_steps=1)
+    TOPRGRPOTrainer(tiny_model_path, digit_reward, args=args, train_dataset=prompts(), callbacks=[online]).train()
+    assert online.seen == [True] and not precision.flushing_denormals()
+    assert issubclass(TOPRAsyncGRPOTrainer, precision.FlushesDenormals)  # its training needs a sampling server
+
+
+def test_denormals_are_flushed_on_a_cpu_only_and_left_on_where_they_were():
+    with precision.denormals_flushed("cuda"):  # GPUs compute on denormals at full speed
+        assert not precision.flushing_denormals()
+    with precision.denormals_flushed(torch.device("cpu")):
+        assert precision.flushing_denormals() and torch.tensor([1e-39]) * 1.0 == 0.0
+    assert not precision.flushing_denormals()
+    torch.set_flush_denormal(True)
+    try:
+        with precision.denormals_flushed("cpu"):
+            pass
+        assert precision.flushing_denormals()  # the caller's choice stands
+    finally:
+        torch.set_flush_denormal(False)

@@ -14,6 +14,7 @@ from .config import TOPRArguments
 from .distributed import NamesTheStep
 from .generation.vllm_engine import TOPRVLLMGeneration
 from .loss import topr_loss
+from .precision import FlushesDenormals
 from .trainer import TOPR_PAPER, CardOnSave, record_metrics, with_logged_metrics
 from .trl_seam import GRPOTrainerHooks, grpo_builds_vllm_with, trl_model_card
 
@@ -73,7 +74,7 @@ class TOPRGRPOConfig(TOPRArguments, GRPOConfig):
 
 
 @trl_model_card("TOPR-GRPO", TOPR_PAPER, ["trl", "topr", "grpo"])
-class TOPRGRPOTrainer(NamesTheStep, CardOnSave, GRPOTrainerHooks):
+class TOPRGRPOTrainer(NamesTheStep, FlushesDenormals, CardOnSave, GRPOTrainerHooks):
     r"""
     Online Tapered Off-Policy REINFORCE: [`~trl.GRPOTrainer`] with the TOPR loss, from [Tapered Off-Policy REINFORCE:
     Stable and efficient reinforcement learning for LLMs](https://huggingface.co/papers/2503.14286).

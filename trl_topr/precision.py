@@ -9,8 +9,12 @@ short matmul probe ([`measure_cpu_bf16_speedup`], about a second), run once per 
 ([`cpu_bf16_speedup`]). Every place of this library that trains, samples or evaluates a model follows
 [`bf16_is_faster`] when the user has not chosen a precision; `python benchmarks/precision.py` measures both precisions
 at length and prints what the rule picks.
+
+The trainers also train with denormal floats flushed to zero on a CPU ([`denormals_flushed`]): a negative whose weight
+has tapered to nearly 0 fills the backward pass with them, and x86 CPUs compute on them many times slower.
 """
 
+import contextlib
 import json
 import logging
 import math
@@ -292,3 +296,42 @@ def training_autocast(args, device: str | torch.device):
     """
     dtype = torch.bfloat16 if args.bf16 else torch.float16
     return torch.autocast(device_type=torch.device(device).type, dtype=dtype, enabled=bool(args.bf16 or args.fp16))
+
+
+def flushing_denormals() -> bool:
+    """Whether the calling thread flushes denormal floats to zero (a float32 of 1e-40 reads back as 0)."""
+    return torch.tensor([1e-40]).item() == 0.0
+
+
+@contextlib.contextmanager
+def denormals_flushed(device: str | torch.device):
+    """
+    On a CPU, denormal floats (float32 below 2**-126, about 1.2e-38) flushed to zero within the block
+    ([`torch.set_flush_denormal`]), and as they were after it.
+
+    A negative's weight clip(pi/mu, 0, 1) tapers toward 0 as the policy moves away from it (e^-25 once its log-ratio
+    reaches -25), and so do its gradients: where a batch holds no larger ones (negatives alone, positives scarce), the
+    backward pass multiplies them by probabilities near 0 and can fill with denormal floats, which x86 CPUs compute on
+    through microcode, many times slower. What flushing drops lies far below what an update can resolve. It applies
+    to the calling thread, which runs the backward pass on a CPU, and to the threads it starts; GPUs compute on
+    denormals at full speed and are left alone.
+
+    Args:
+        device (`str` or `torch.device`):
+            The device training runs on.
+    """
+    if torch.device(device).type != "cpu" or flushing_denormals() or not torch.set_flush_denormal(True):
+        yield  # not a CPU, flushing already, or a CPU that cannot
+        return
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
+
+
+class FlushesDenormals:
+    """A trainer's mixin (ahead of the TRL trainer in its bases): `train` runs in [`denormals_flushed`]."""
+
+    def train(self, *args, **kwargs):
+        with denormals_flushed(self.args.device):
+            return super().train(*args, **kwargs)

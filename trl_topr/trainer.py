@@ -48,6 +48,7 @@ from .logprobs import (
     logps_settings,
 )
 from .loss import combine_metrics, topr_loss
+from .precision import FlushesDenormals
 from .tokens import end_of_sequence_ids, text_tokenizer
 from .trajectories import with_trajectory_ids
 from .trl_seam import SFTTrainerHooks, trl_model_card
@@ -280,7 +281,7 @@ TOPR_PAPER = {
 
 
 @trl_model_card("TOPR", TOPR_PAPER, ["trl", "topr"])
-class TOPRTrainer(NamesTheStep, CardOnSave, SFTTrainerHooks):
+class TOPRTrainer(NamesTheStep, FlushesDenormals, CardOnSave, SFTTrainerHooks):
     r"""
     Trainer for Tapered Off-Policy REINFORCE (TOPR), from [Tapered Off-Policy REINFORCE: Stable and efficient
     reinforcement learning for LLMs](https://huggingface.co/papers/2503.14286).

@@ -13,6 +13,7 @@ from transformers import AttentionInterface, AutoTokenizer
 from ..baseline import topr_baseline
 from ..distributed import NamesTheStep
 from ..loss import METRIC_SUPPORT, ratio_metrics_by, topr_loss
+from ..precision import FlushesDenormals
 from ..sampling import RewardFuncs
 from ..trainer import TOPR_PAPER, CardOnSave, latest_complete_checkpoint
 from ..trl_seam import trl_model_card
@@ -36,7 +37,7 @@ logger = get_logger(__name__)
 
 
 @trl_model_card("TOPR-AsyncGRPO", TOPR_PAPER, ["trl", "topr", "async-grpo"])
-class TOPRAsyncGRPOTrainer(NamesTheStep, CardOnSave, AsyncGRPOTrainer):
+class TOPRAsyncGRPOTrainer(NamesTheStep, FlushesDenormals, CardOnSave, AsyncGRPOTrainer):
     r"""
     Asynchronous Tapered Off-Policy REINFORCE: TRL's `AsyncGRPOTrainer` with TOPR's loss, from [Tapered Off-Policy
     REINFORCE: Stable and efficient reinforcement learning for LLMs](https://huggingface.co/papers/2503.14286).
