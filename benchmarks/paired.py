@@ -7,6 +7,7 @@ exclude 0, and "tied" where either does not.
 Each reading is one test at 95%: among pairs that do not differ, about one reading in twenty says "above" or "below"
 by chance, and the benchmarks read many pairs with no correction for that multiplicity."""
 
+import functools
 import math
 import statistics
 from dataclasses import dataclass
@@ -61,9 +62,10 @@ class Difference:
         return f"{self.estimate:+.3f} [{self.low:+.3f}, {self.high:+.3f}] (seeds [{low:+.3f}, {high:+.3f}])"
 
 
+@functools.cache
 def t_quantile(q: float, df: int) -> float:
     """The `q` quantile (q >= 0.5) of Student's t distribution with `df` degrees of freedom: bisection on its CDF, the
-    density integrated by Simpson's rule (no statistics library needed)."""
+    density integrated by Simpson's rule (no statistics library needed); computed once per `q` and `df`."""
     scale = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
 
     def cdf(x: float, steps: int = 2000) -> float:  # for x >= 0

@@ -1679,14 +1679,29 @@ QUOTES: dict[str, tuple] = {
 
 
 # ------------------------------------------------------------------------------------------------------ rewriting
+# (results folder, name) -> a quote and the folders it read: computed once per process (the results do not change
+# while it renders, and the docs quote some results several times)
+QUOTED: dict[tuple[str, str], tuple[str, frozenset[str]]] = {}
+
+
 def render(text: str) -> str:
     """`text` with every marked quote rewritten from the results. Raises `KeyError` for a name not in `QUOTES`."""
 
     def quote(name: str) -> str:
         if name not in QUOTES:
             raise KeyError(f"No result is quoted as {name!r}: the names are those of QUOTES in benchmarks/report.py.")
-        function, *arguments = QUOTES[name]
-        return function(*arguments)
+        key = (str(RESULTS), name)
+        if key not in QUOTED:
+            before = set(READ)
+            READ.clear()
+            try:
+                function, *arguments = QUOTES[name]
+                QUOTED[key] = function(*arguments), frozenset(READ)
+            finally:
+                READ.update(before)
+        quoted, read = QUOTED[key]
+        READ.update(read)
+        return quoted
 
     def block(match: re.Match) -> str:
         return f"{match[1]}\n\n{quote(match['name'])}\n\n{match[4]}"
