@@ -233,8 +233,8 @@ def train_args(output_dir) -> TOPRConfig:
 
 
 def loop_args(**kwargs) -> TOPRLoopConfig:
-    """Two rounds of 4 samples a prompt, evaluated with 2, sampled and evaluated with vLLM. The one-process loops
-    sample 4 prompts a round (a round's training is most of their minutes here), the 2-process ones 8."""
+    """Two rounds of 4 samples a prompt, evaluated with 2, sampled and evaluated with vLLM. The loops sample 4 prompts
+    a round (a round's training is most of their minutes here): the 2-process ones 2 prompts a process."""
     options = dict(num_rounds=2, num_generations=4, max_completion_length=24, sampling_batch_size=8)
     return vllm_for(**{**options, "num_generations_eval": 2, **kwargs})
 

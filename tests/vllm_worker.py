@@ -41,7 +41,7 @@ def main(parts: str, engine: str, tests_dir: str, model_path: str, output_dir: s
         trl_topr.loop.TOPRTrainer = recording_trainer(trained)  # what each round leaves alive (none should be)
         result["rounds"] = run_topr_loop(
             model_path,
-            arithmetic(8),
+            arithmetic(4),
             gsm8k_reward,
             loop_args(),
             train_args(output_dir),
