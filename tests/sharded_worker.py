@@ -1,5 +1,6 @@
 """Run by `tests/test_sharded.py` under `accelerate launch` (2 CPU processes): one engine, every step of the issue's
-checklist, the results written as JSON by the main process. Not a test module itself."""
+checklist for each variant asked for (full fine-tuning, padding-free, LoRA) one after the other, each variant's results
+written as JSON by the main process in a folder of its own. Not a test module itself."""
 
 import json
 import sys
@@ -17,7 +18,6 @@ def masked_data_path(data_path: str) -> str:
 
 
 def main(
-    engine: str,
     tests_dir: str,
     model_path: str,
     other_model_path: str,
@@ -27,8 +27,6 @@ def main(
     padding_free: bool,
 ):
     sys.path.insert(0, tests_dir)
-    if engine == "fsdp2":
-        reapply_fsdp_plugin()
     from conftest import alive, make_args, recording_trainer
     from datasets import Dataset
     from peft import LoraConfig
@@ -116,17 +114,19 @@ def main(
 
 
 if __name__ == "__main__":
-    engine, tests_dir, model_path, other_model_path, data_path, output_dir, lora, layout = sys.argv[1:9]
-    main(
-        engine,
-        tests_dir,
-        model_path,
-        other_model_path,
-        data_path,
-        output_dir,
-        lora == "lora",
-        layout == "padding_free",
-    )
+    engine, tests_dir, model_path, other_model_path, data_path, output_dir, variants = sys.argv[1:8]
+    if engine == "fsdp2":
+        reapply_fsdp_plugin()
+    for variant in variants.split(","):  # one launch for every variant: a launch's start costs seconds here
+        main(
+            tests_dir,
+            model_path,
+            other_model_path,
+            data_path,
+            f"{output_dir}/{variant}",
+            variant == "lora",
+            variant == "padding_free",
+        )
     from conftest import end_processes  # the tests' folder is on the path by now
 
     end_processes()

@@ -174,7 +174,7 @@ class RecordsFlushing(TrainerCallback):
 
 
 def test_training_on_a_cpu_flushes_denormals_and_leaves_them_as_they_were_after(tiny_model_path, tmp_path):
-    # Negatives the policy has moved far away from (mu = 1, pi tiny: weights near 0) fill the backward pass with
+    # Negatives the policy has moved far away from (mu = 1, pi tiny: weights near 0) can fill the backward pass with
     # denormal floats, many times slower on a CPU; every TOPR trainer trains with them flushed to zero
     from test_online import digit_reward, grpo_args, prompts
 

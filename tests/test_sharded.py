@@ -1,7 +1,8 @@
 """Sharded training on CPU, 2 processes (gloo): DDP, DeepSpeed ZeRO-2 / ZeRO-3 and FSDP2, as configured in
 `recipes/accelerate/`, each checked against one process: behavior log-probs, trained weights, `evaluate` on a raw
 dataset after training, a cache that must not mix up two models, and one round of `run_topr_loop` with an odd number
-of evaluation prompts.
+of evaluation prompts. One launch per engine runs its variants (full fine-tuning, padding-free, LoRA) one after the
+other; each test reads its variant's results.
 
 Only what a 2-process CPU run needs is changed in the shipped configurations: 2 processes, no mixed precision, the
 CPU, and for ZeRO-3 `stage3_param_persistence_threshold: 0` (else a tiny model keeps every parameter gathered and
@@ -92,7 +93,33 @@ def single_process(models, tmp_path_factory):
     return {"behavior": behavior, "masked_behavior": masked_behavior, "weights": weights}
 
 
-def run_engine(engine: str, models, folder: Path, lora: bool = False, padding_free: bool = False) -> dict:
+# The variants each engine's tests check, run one after the other in one launch per engine (a launch's start costs
+# seconds here; the variants share nothing but the process)
+VARIANTS = {
+    "ddp": ["full", "padding_free", "lora"],
+    "zero2": ["full", "lora"],
+    "zero3": ["full", "padding_free", "lora"],
+    "fsdp2": ["full", "padding_free", "lora"],
+}
+
+
+@pytest.fixture(scope="module")
+def launched(models, tmp_path_factory):
+    """`(engine, variant)` -> that variant's output folder and results, from the engine's launch (on first use)."""
+    folders = {}
+
+    def result(engine: str, variant: str) -> tuple[Path, dict]:
+        if engine not in folders:
+            folder = tmp_path_factory.mktemp(engine)
+            run_engine(engine, models, folder)
+            folders[engine] = folder
+        out = folders[engine] / "out" / variant
+        return out, json.loads((out / "result.json").read_text())
+
+    return result
+
+
+def run_engine(engine: str, models, folder: Path) -> None:
     data().to_json(str(folder / "data.jsonl"))
     masked_data(models[0]).to_json(str(folder / "masked.jsonl"))
     launch(
@@ -102,13 +129,11 @@ def run_engine(engine: str, models, folder: Path, lora: bool = False, padding_fr
         *models,
         folder / "data.jsonl",
         folder / "out",
-        "lora" if lora else "full",
-        "padding_free" if padding_free else "padded",
+        ",".join(VARIANTS[engine]),
         config_file=accelerate_config(engine, folder),
         env={"OMP_NUM_THREADS": "1"},
-        timeout=900,
+        timeout=1800,
     )
-    return json.loads((folder / "out" / "result.json").read_text())
 
 
 def assert_close_lists(got, want, atol):
@@ -118,7 +143,7 @@ def assert_close_lists(got, want, atol):
         assert max(abs(a - b) for a, b in zip(row_got, row_want)) < atol
 
 
-def check_common(result, single, folder):
+def check_common(result, single, out: Path):
     assert result["world"] == 2
     # the same behavior log-probs as one process, and not the other model's (a cache keyed by empty shards would)
     assert_close_lists(result["behavior"], single["behavior"], 1e-4)
@@ -140,14 +165,14 @@ def check_common(result, single, folder):
     assert result["loop_alive"] == []
     for r in rounds:  # 5 evaluation prompts over 2 processes: every one counted once
         assert 0.0 <= r["pass@1"] <= 1.0 and "invalid_rate" in r
-    assert len((folder / "out" / "loop" / "round-1" / "samples.jsonl").read_text().splitlines()) == 12
+    assert len((out / "loop" / "round-1" / "samples.jsonl").read_text().splitlines()) == 12
 
 
 ENGINES = ["ddp", "zero2", "zero3", "fsdp2"]
 
 
-def check_weights(folder: Path, single, models, engine: str, layout: str = "") -> None:
-    saved = load_file(str(folder / "out" / "model" / "model.safetensors"))
+def check_weights(out: Path, single, models, engine: str, layout: str = "") -> None:
+    saved = load_file(str(out / "model" / "model.safetensors"))
     assert set(saved) == set(single["weights"])  # whole weights, not shards (the tiny model ties none)
     for name, want in single["weights"].items():
         torch.testing.assert_close(saved[name].float(), want.float(), atol=WEIGHTS_ATOL, rtol=0)
@@ -165,34 +190,34 @@ def check_weights(folder: Path, single, models, engine: str, layout: str = "") -
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ENGINES)
-def test_full_fine_tuning_matches_one_process(engine, models, single_process, tmp_path):
-    result = run_engine(engine, models, tmp_path)
-    check_common(result, single_process, tmp_path)
+def test_full_fine_tuning_matches_one_process(engine, launched, models, single_process):
+    out, result = launched(engine, "full")
+    check_common(result, single_process, out)
     assert result["engine"]["deepspeed"] == engine.startswith("zero")
     assert result["partitioned"] == (engine == "zero3")
     assert result["engine"]["fsdp"] == result["engine"]["dtensor"] == (engine == "fsdp2")
-    check_weights(tmp_path, single_process, models, engine)
+    check_weights(out, single_process, models, engine)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["ddp", "zero3", "fsdp2"])
-def test_padding_free_matches_one_padded_process(engine, models, single_process, tmp_path):
+def test_padding_free_matches_one_padded_process(engine, launched, models, single_process):
     # every step of the checklist padding-free (training, the precompute, evaluate, the loop with replay), against
     # one padded process: the same behavior log-probs and trained weights
-    result = run_engine(engine, models, tmp_path, padding_free=True)
-    check_common(result, single_process, tmp_path)
+    out, result = launched(engine, "padding_free")
+    check_common(result, single_process, out)
     assert result["partitioned"] == (engine == "zero3")
     assert result["engine"]["fsdp"] == result["engine"]["dtensor"] == (engine == "fsdp2")
-    check_weights(tmp_path, single_process, models, engine, " padding-free")
+    check_weights(out, single_process, models, engine, " padding-free")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ENGINES)
-def test_lora_trains_and_loops(engine, models, single_process, tmp_path):
-    result = run_engine(engine, models, tmp_path, lora=True)
-    check_common(result, single_process, tmp_path)
-    assert (tmp_path / "out" / "model" / "adapter_model.safetensors").exists()
-    assert (tmp_path / "out" / "loop" / "round-1" / "adapter" / "adapter_model.safetensors").exists()
+def test_lora_trains_and_loops(engine, launched, single_process):
+    out, result = launched(engine, "lora")
+    check_common(result, single_process, out)
+    assert (out / "model" / "adapter_model.safetensors").exists()
+    assert (out / "loop" / "round-1" / "adapter" / "adapter_model.safetensors").exists()
 
 
 def test_deepspeed_builds_its_op_in_a_folder_of_this_run_and_leaves_no_lock():
