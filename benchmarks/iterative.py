@@ -39,7 +39,8 @@ The x axis is what was sampled so far (completions and completion tokens), the s
 `results.json`, `table.md` (test sampled pass@1 per round at each arm's rate), `efficiency.md` (completions sampled
 until each seed first reaches 0.8 and 0.9), `diagnosis.md`, `ages.md` (the replay arms' metrics by sample age),
 `sweep.md` (every rate scored, per seed, with its test curve) and `iterative.png` to --out (default
-benchmarks/results/iterative-<scale>). `--plan` prints the runs the protocol may train and their estimated hours.
+benchmarks/results/iterative-<scale>). `--plan` prints the runs the protocol may train and their estimated hours (of
+the seeds this call trains: those of `--skip_seeds` are another call's).
 """
 
 import argparse
@@ -657,7 +658,7 @@ def main(argv=None) -> str:
         )
     methods = [m for m in ARMS if m in (args.methods or setting["methods"])]
     if args.plan:
-        text = plan(setting, methods, ledger)
+        text = plan(setting, methods, ledger, args.skip_seeds)
         print(text)
         return text
     work.mkdir(parents=True, exist_ok=True)

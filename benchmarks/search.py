@@ -121,31 +121,33 @@ def bracket_rates(setting: dict, method: str, ledger) -> list[float]:
     return visited
 
 
-def estimate(setting: dict, methods: list[str], ledger) -> list[dict]:
+def estimate(setting: dict, methods: list[str], ledger, skip=()) -> list[dict]:
     """The runs the protocol may train, arm by arm (every grid rate on the sweep seeds, then the other seeds at the
     best rate, and the rates past an edge where the scale follows them), with those already in the ledger and the
     estimated hours of the rest: each run at the mean seconds of the arm's finished runs, else of all finished runs,
-    else the scale's `run_seconds` estimate. One dict per method: `method`, `rates` (in words), `runs` (at least, for
-    a bracket; at most, for a grid), `done`, `minutes` (a run) and `hours` (to go)."""
+    else the scale's `run_seconds` estimate. Seeds in `skip` (left to another call) are counted neither as runs nor as
+    done. One dict per method: `method`, `rates` (in words), `runs` (at least, for a bracket; at most, for a grid),
+    `done`, `minutes` (a run) and `hours` (to go)."""
     finished = [e["seconds"] for e in ledger.runs.values() if not e["resumed"]]
     default = statistics.fmean(finished) if finished else setting["run_seconds"]
-    others = setting["seeds"] - setting["sweep_seeds"]  # seeds run at the best rate only
+    sweep = sum(seed not in skip for seed in range(setting["sweep_seeds"]))  # the sweep seeds this call trains
+    others = sum(seed not in skip for seed in range(setting["sweep_seeds"], setting["seeds"]))  # at the best only
     arms = []
     for method in methods:
-        done = sum(m == method for m, _, _ in ledger.runs)
+        done = sum(m == method and seed not in skip for m, _, seed in ledger.runs)
         if reference(setting, method):
             rates_text = f"at the best rate of {reference(setting, method)}, not swept"
-            most = setting["seeds"]
+            most = sweep + others
         elif "start_lr" in setting:  # a bracket: three rates at least (the best and one on each side)
             rates_text = f"a bracket from {setting['start_lr']:.0e}, down first, of 3 rates or more".replace(
                 "e-0", "e-"
             )
             rates = max(3, len(bracket_rates(setting, method, ledger)))  # the rates it has run or runs next
-            most = max(setting["sweep_seeds"] * rates + others, done)
+            most = max(sweep * rates + others, done)
         else:
             rates = grid(setting, method)
             rates_text = f"rates {' '.join(f'{r:g}' for r in rates)}"
-            most = setting["sweep_seeds"] * (len(rates) + setting.get("past_edge", PAST_EDGE)) + others
+            most = sweep * (len(rates) + setting.get("past_edge", PAST_EDGE)) + others
         own = [e["seconds"] for (m, _, _), e in ledger.runs.items() if m == method and not e["resumed"]]
         each = statistics.fmean(own) if own else default
         hours = max(most - done, 0) * each / 3600
@@ -155,15 +157,17 @@ def estimate(setting: dict, methods: list[str], ledger) -> list[dict]:
     return arms
 
 
-def plan(setting: dict, methods: list[str], ledger) -> str:
-    """`estimate` in words, one line per method and one for all of them."""
-    arms = estimate(setting, methods, ledger)
+def plan(setting: dict, methods: list[str], ledger, skip=()) -> str:
+    """`estimate` in words, one line per method and one for all of them; `skip`: seeds left to another call."""
+    arms = estimate(setting, methods, ledger, skip)
     lines = [
         f"{a['method']}: {a['rates']} on seeds 0-{setting['sweep_seeds'] - 1}, then seeds up to "
         f"{setting['seeds'] - 1} at the best: {bound(setting)} {a['runs']} runs, {a['done']} done, "
         f"{a['minutes']:.0f} min a run, {a['hours']:.1f} h to go"
         for a in arms
     ]
+    if skip:
+        lines.append(f"Seeds {' '.join(map(str, sorted(skip)))} left to another call (--skip_seeds): not counted")
     hours = sum(a["hours"] for a in arms)
     lines.append(
         f"In all: {bound(setting)} {sum(a['runs'] for a in arms)} runs, {hours:.1f} h to go on "

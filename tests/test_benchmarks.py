@@ -776,6 +776,28 @@ def test_iterative_skip_seeds_leaves_those_seeds_to_another_call_of_the_same_arm
     assert available("--skip_seeds", "0", "1", "2") == [True, False, False, True]
 
 
+def test_iterative_plan_counts_only_the_seeds_this_call_trains(tmp_path):
+    # `--plan` with `--skip_seeds`: the runs and the runs done leave out the seeds another call trains
+    iterative = load("iterative")
+    ledger = load("ledger").Ledger(tmp_path)
+    setting = iterative.SCALES["fast"]
+    argv = ["--scale", "fast", "--methods", "positives_only", "--out", str(tmp_path), "--plan"]
+    for seed in (0, setting["seeds"] - 1):  # a sweep seed and a seed run at the best rate only, both done
+        ledger.add({"method": "positives_only", "lr": 1e-5, "seed": seed, "seconds": 60, "resumed": False})
+
+    def counts(text):
+        return [int(n) for n in re.search(r"(\d+) runs, (\d+) done", text).groups()]
+
+    (runs, done) = counts(iterative.main(argv))
+    last = setting["seeds"] - 1
+    assert done == 2
+    skipped = iterative.main([*argv, "--skip_seeds", "0", str(last)])
+    search = load("search")
+    grid_runs = len(search.grid(setting, "positives_only")) + setting.get("past_edge", search.PAST_EDGE)
+    assert counts(skipped) == [runs - grid_runs - 1, 0]
+    assert f"Seeds 0 {last} left to another call" in skipped
+
+
 def test_iterative_last_test_round_samples_as_many_as_asked_for_pass_at_k(tmp_path):
     # `--last_test_samples`: where the test split is evaluated at `test_rounds`, the last round draws that many samples
     # a prompt (its per-prompt counts read pass@k up to it) and the earlier rounds the scale's k; each line says which
