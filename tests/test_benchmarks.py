@@ -839,3 +839,20 @@ def test_calls_that_end_together_each_keep_their_record(tmp_path):
     assert sorted(run["command"] for run in runs) == sorted(
         f"writer {w} call {i}" for w in range(writers) for i in range(count)
     )
+
+
+def test_denormals_benchmark_puts_the_trainer_as_shipped_beside_it_with_denormals_kept(capsys, tmp_path):
+    table = load("denormals").main(["--quick", "--reps", "1", "--out", str(tmp_path)])
+    assert table in capsys.readouterr().out
+    _header, _rule, seconds = table.splitlines()
+    results = json.loads((tmp_path / "results.json").read_text())
+    runs = results["runs"]
+    # each setting trained as it says, every step: the trainer as shipped flushes, the other keeps
+    assert [run["flushing"] for run in runs["flushed"]] == [[True] * 4]
+    assert [run["flushing"] for run in runs["kept"]] == [[False] * 4]
+    assert results["rows"] == 16 and len(results["log_ratio_mean"]) == 4 and results["checkpointing"] is True
+    median = results["median_seconds"]
+    assert results["seconds_ratio"] == pytest.approx(median["kept"] / median["flushed"])
+    assert seconds.split("|")[-2].strip() == f"{results['seconds_ratio']:.2f}"
+    assert results["same_losses"] == (runs["flushed"][0]["losses"] == runs["kept"][0]["losses"])
+    check_provenance(tmp_path, f"python benchmarks/denormals.py --quick --reps 1 --out {tmp_path}")
