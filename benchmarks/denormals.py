@@ -55,7 +55,7 @@ def worker(spec: dict) -> None:
     from datasets import Dataset
     from transformers import TrainerCallback
 
-    import trl_topr.precision
+    import trl_topr.precision  # to run the trainer as it was before it flushed denormals (the "kept" setting)
     from trl_topr import TOPRConfig, TOPRTrainer
 
     flushing = []

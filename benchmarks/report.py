@@ -1523,6 +1523,12 @@ QUOTES: dict[str, tuple] = {
     "allocator.commit": (commit, "allocator"),
     "allocator.seconds_ratio": (result_value, "allocator", "seconds_ratio", "{:.2f}"),
     "allocator.peak_ratio": (result_value, "allocator", "peak_ratio", "{:.2f}"),
+    # training with denormal floats flushed (as shipped) against kept, on negatives a vLLM engine sampled
+    "denormals.table": (table, "denormals"),
+    "denormals.machine": (machine, "denormals"),
+    "denormals.commit": (commit, "denormals"),
+    "denormals.ratio": (result_value, "denormals", "seconds_ratio", "{:.2f}"),
+    "denormals.same_losses": (result_value, "denormals", "same_losses", {True: "the same", False: "different"}.get),
     "gpu-kit.size": (gpu_kit_size, "gpu-kit"),
     "gpu-kit.packed": (gpu_kit_packed, "gpu-kit"),
     # the multi-process tests again and again with every core busy
