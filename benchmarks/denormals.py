@@ -9,8 +9,9 @@ SmolLM2-135M-Instruct in the first round of a TOPR loop on 4 arithmetic question
 all wrong (reward -1), with their token ids and vLLM's per-token behavior log-probs. Training on negatives alone
 moves the policy away from them within the epoch, so their weights clip(pi/mu, 0, 1) taper toward zero with nothing
 larger in the batch: the case where the backward pass fills with denormal floats. Each training is one epoch in
-batches of 4 at rate 1e-4 (4 steps), TRL's other defaults, from the start model; the rows that show it depend on the
-sampled completions (transformers-sampled rows of the same loop trained at the same speed in both settings).
+batches of 4 at rate 1e-4 (4 steps), TRL's other defaults, from the start model. Whether a batch fills with denormals
+depends on the completions: other all-negative rounds, sampled with vLLM or transformers, trained as fast kept as
+flushed; these rows are one batch that does, kept for this benchmark.
 
 Each measurement is a fresh process; the two settings alternate `--reps` times, each taking its turn first. Reports
 the median seconds of `trainer.train()` and their ratio, the log-ratios the trainer logged step by step, and whether
