@@ -18,12 +18,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from alternating import alternate, in_fresh_process, start_model
 from provenance import ROOT, save
 
 
@@ -86,15 +85,11 @@ def worker(spec: dict) -> None:
 
 def measure(setting: str, spec: dict, threshold: int) -> dict:
     """One training in a fresh process, with glibc's default allocator or the fixed threshold."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ)
     env.pop("MALLOC_MMAP_THRESHOLD_", None)
     if setting == "mmap":
         env["MALLOC_MMAP_THRESHOLD_"] = str(threshold)
-    command = [sys.executable, __file__, "--worker", json.dumps(spec)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT)
-    if done.returncode != 0:
-        raise RuntimeError(f"the {setting} training failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return in_fresh_process(__file__, spec, setting, env)
 
 
 def main(argv=None) -> str:
@@ -111,19 +106,9 @@ def main(argv=None) -> str:
     out = Path(args.out or ROOT / ("outputs/allocator-quick" if args.quick else "benchmarks/results/allocator"))
     started = time.time()
     with tempfile.TemporaryDirectory() as work:
-        if args.quick:
-            from trl_topr.testing import build_tiny_model
-
-            model, name = build_tiny_model(str(Path(work) / "tiny")), "a tiny model"
-        else:
-            from trl_topr.embedded import smollm2_path
-
-            model, name = smollm2_path(), "SmolLM2-135M-Instruct"
+        model, name = start_model(args.quick, work)
         spec = {"model": model, "rows": args.rows or (16 if args.quick else 64)}
-        runs = {setting: [] for setting in SETTINGS}
-        for rep in range(args.reps):
-            for setting in SETTINGS[rep % 2 :] + SETTINGS[: rep % 2]:  # each takes its turn first
-                runs[setting].append(measure(setting, spec, args.threshold))
+        runs = alternate(SETTINGS, args.reps, lambda setting: measure(setting, spec, args.threshold))
     seconds = {s: statistics.median(r["seconds"] for r in runs[s]) for s in SETTINGS}
     peak = {s: statistics.median(r["peak"] for r in runs[s]) for s in SETTINGS}
     results = {

@@ -23,14 +23,12 @@ Writes `results.json` and `table.md`, with their provenance, to --out (default b
 import argparse
 import contextlib
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from alternating import alternate, in_fresh_process, start_model
 from provenance import ROOT, save
 
 
@@ -99,16 +97,6 @@ def worker(spec: dict) -> None:
     )
 
 
-def measure(spec: dict) -> dict:
-    """One training in a fresh process."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    command = [sys.executable, __file__, "--worker", json.dumps(spec)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT)
-    if done.returncode != 0:
-        raise RuntimeError(f"the {spec['setting']} training failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def main(argv=None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, the rows as text (seconds)")
@@ -121,19 +109,9 @@ def main(argv=None) -> str:
     out = Path(args.out or ROOT / ("outputs/denormals-quick" if args.quick else "benchmarks/results/denormals"))
     started = time.time()
     with tempfile.TemporaryDirectory() as work:
-        if args.quick:
-            from trl_topr.testing import build_tiny_model
-
-            model, name = build_tiny_model(str(Path(work) / "tiny")), "a tiny model"
-        else:
-            from trl_topr.embedded import smollm2_path
-
-            model, name = smollm2_path(), "SmolLM2-135M-Instruct"
+        model, name = start_model(args.quick, work)
         spec = {"model": model, "as_text": args.quick}
-        runs = {setting: [] for setting in SETTINGS}
-        for rep in range(args.reps):
-            for setting in SETTINGS[rep % 2 :] + SETTINGS[: rep % 2]:  # each takes its turn first
-                runs[setting].append(measure(dict(spec, setting=setting)))
+        runs = alternate(SETTINGS, args.reps, lambda s: in_fresh_process(__file__, dict(spec, setting=s), s))
     seconds = {s: statistics.median(r["seconds"] for r in runs[s]) for s in SETTINGS}
     first = {s: runs[s][0] for s in SETTINGS}
     results = {
